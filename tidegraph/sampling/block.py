@@ -1,0 +1,44 @@
+"""A sampled hop of a temporal neighbourhood, as dense [roots, fanout] tensors.
+
+Invalid slots (a root with fewer visible neighbours than the fanout) have `mask` False,
+`nbr_ids` and `nbr_eids` -1, `nbr_ts` equal to the root's time and `dt` 0; consumers must
+select or zero them through `mask`, never index with them unmasked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+__all__ = ["Block"]
+
+
+@dataclass
+class Block:
+    """One hop: `dst_*` are the R roots of this hop, `nbr_*` their sampled neighbours [R, K]."""
+
+    dst_ids: torch.Tensor  # int64 [R]
+    dst_ts: torch.Tensor  # float64 [R]
+    nbr_ids: torch.Tensor  # int64 [R, K]
+    nbr_ts: torch.Tensor  # float64 [R, K], time of the sampled edge
+    nbr_eids: torch.Tensor  # int64 [R, K]
+    dt: torch.Tensor  # float32 [R, K] = dst_ts - nbr_ts
+    mask: torch.Tensor  # bool [R, K]
+
+    @property
+    def num_roots(self) -> int:
+        return int(self.dst_ids.shape[0])
+
+    @property
+    def fanout(self) -> int:
+        return int(self.nbr_ids.shape[1])
+
+    def next_roots(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Roots of the next hop: these roots, then the valid neighbours in row-major order."""
+        ids = torch.cat([self.dst_ids, self.nbr_ids[self.mask]])
+        ts = torch.cat([self.dst_ts, self.nbr_ts[self.mask]])
+        return ids, ts
+
+    def to(self, device: torch.device | str) -> Block:
+        return Block(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
