@@ -1,5 +1,6 @@
 """Temporal neighbour sampling over the dynamic graph store."""
 
 from tidegraph.sampling.block import Block
+from tidegraph.sampling.sampler import TemporalSampler
 
-__all__ = ["Block"]
+__all__ = ["Block", "TemporalSampler"]

@@ -1,5 +1,6 @@
 """Dynamic graph store, event batches, loaders and feature stores."""
 
 from tidegraph.storage.events import EventBatch
+from tidegraph.storage.graph import DynamicGraph
 
-__all__ = ["EventBatch"]
+__all__ = ["DynamicGraph", "EventBatch"]

@@ -1,0 +1,165 @@
+"""The dynamic graph store against the brute-force reference."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from reference import ReferenceGraph
+
+from tidegraph.storage import DynamicGraph
+
+
+def _neighbors(g: DynamicGraph, node: int):
+    nbr, t, eid = g.temporal_neighbors(node)
+    return list(zip(nbr.tolist(), t.tolist(), eid.tolist(), strict=True))
+
+
+@st.composite
+def batches(draw, max_id: int = 12, huge: bool = False):
+    """A few batches of edges: duplicates, self loops, equal times and empty batches."""
+    out = []
+    for _ in range(draw(st.integers(1, 6))):
+        n = draw(st.integers(0, 25))
+        ids = st.integers(0, max_id)
+        src = draw(st.lists(ids, min_size=n, max_size=n))
+        dst = draw(st.lists(ids, min_size=n, max_size=n))
+        t = draw(st.lists(st.integers(0, 6).map(float), min_size=n, max_size=n))
+        if huge:
+            src = [s + 2**40 for s in src]
+        out.append((src, dst, t))
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(batches(), st.booleans())
+def test_queries_match_reference(data, add_reverse):
+    g = DynamicGraph(add_reverse=add_reverse)
+    ref = ReferenceGraph(add_reverse=add_reverse)
+    for src, dst, t in data:
+        g.add_edges(torch.tensor(src, dtype=torch.int64), np.array(dst, dtype=np.int64), t)
+        ref.add_edges(src, dst, t)
+    assert g.num_edges == sum(len(s) for s, _, _ in data)
+    assert g.num_stored_edges == len(ref.rows)
+    assert g.num_nodes == ref.num_nodes
+    nodes = list(range(15))  # 13 and 14 are never seen
+    assert g.out_degree(torch.tensor(nodes)).tolist() == [ref.degree(v) for v in nodes]
+    for v in nodes:
+        assert _neighbors(g, v) == ref.neighbors(v)
+
+
+@settings(max_examples=20, deadline=None)
+@given(batches(huge=True))
+def test_huge_ids(data):
+    g, ref = DynamicGraph(), ReferenceGraph()
+    for src, dst, t in data:
+        g.add_edges(torch.tensor(src, dtype=torch.int64), torch.tensor(dst), torch.tensor(t))
+        ref.add_edges(src, dst, t)
+    for v in {r[0] for r in ref.rows}:
+        assert _neighbors(g, v) == ref.neighbors(v)
+
+
+@settings(max_examples=30, deadline=None)
+@given(batches(), st.integers(0, 7))
+def test_offload_matches_reference(data, t_off):
+    g, ref = DynamicGraph(), ReferenceGraph()
+    for src, dst, t in data:
+        g.add_edges(torch.tensor(src, dtype=torch.int64), torch.tensor(dst), torch.tensor(t))
+        ref.add_edges(src, dst, t)
+    before = g.memory_bytes()
+    dropped = g.offload_before(float(t_off))
+    ref_before = len(ref.rows)
+    ref.offload_before(float(t_off))
+    assert dropped == ref_before - len(ref.rows)
+    assert g.memory_bytes() <= before
+    for v in range(13):
+        assert _neighbors(g, v) == ref.neighbors(v)
+
+
+def test_compaction_keeps_logarithmic_segments():
+    g = DynamicGraph()
+    gen = torch.Generator().manual_seed(0)
+    for i in range(64):
+        src = torch.randint(0, 50, (100,), generator=gen)
+        dst = torch.randint(0, 50, (100,), generator=gen)
+        g.add_edges(src, dst, torch.full((100,), float(i)))
+    assert len(g.segments) <= 7  # a binary counter over 64 equal batches
+    assert g.num_edges == 6400
+
+
+def test_default_eids_continue_and_explicit_eids_kept():
+    g = DynamicGraph(add_reverse=False)
+    g.add_edges([0, 1], [1, 2], [1.0, 2.0])
+    g.add_edges([2], [3], [3.0], eid=[100])
+    g.add_edges([3], [0], [4.0])
+    assert _neighbors(g, 0) == [(1, 1.0, 0)]
+    assert _neighbors(g, 2) == [(3, 3.0, 100)]
+    assert _neighbors(g, 3) == [(0, 4.0, 101)]
+
+
+def test_bytes_per_edge_within_budget():
+    g = DynamicGraph()
+    gen = torch.Generator().manual_seed(0)
+    for i in range(10):
+        n = 20_000
+        g.add_edges(
+            torch.randint(0, 5_000, (n,), generator=gen),
+            torch.randint(0, 5_000, (n,), generator=gen),
+            torch.arange(n, dtype=torch.float64) + i * n,
+        )
+    report = g.memory_report()
+    assert report["num_stored_edges"] == 400_000
+    assert report["bytes_per_stored_edge"] <= 24
+
+
+@pytest.mark.parametrize(
+    ("src", "dst", "t", "match"),
+    [
+        ([0, -1], [1, 2], [0.0, 1.0], "row 1 has a negative id"),
+        ([0, 1], [1, 2], [0.0, float("nan")], "row 1 has time nan"),
+        ([0, 1], [1, 2], [float("inf"), 0.0], "row 0 has time inf"),
+        ([0, 1], [1], [0.0, 1.0], "equal length"),
+        ([0.5, 1.0], [1, 2], [0.0, 1.0], "src must hold integer ids"),
+    ],
+)
+def test_bad_input_is_rejected_and_graph_unchanged(src, dst, t, match):
+    g = DynamicGraph()
+    g.add_edges([0], [1], [0.0])
+    state = g.memory_report()
+    with pytest.raises(ValueError, match=match):
+        g.add_edges(torch.tensor(src), torch.tensor(dst), torch.tensor(t))
+    assert g.memory_report() == state
+    assert _neighbors(g, 0) == [(1, 0.0, 0)]
+
+
+def test_state_dict_roundtrip():
+    g = DynamicGraph()
+    g.add_edges([0, 1, 2], [1, 2, 0], [1.0, 2.0, 3.0])
+    g.add_edges([0], [2], [4.0])
+    h = DynamicGraph()
+    h.load_state_dict(g.state_dict())
+    for v in range(3):
+        assert _neighbors(h, v) == _neighbors(g, v)
+    h.add_edges([1], [1], [5.0])
+    assert h.num_edges == 5 and _neighbors(h, 1)[0] == (1, 5.0, 4)
+
+
+def test_unknown_placement():
+    with pytest.raises(ValueError, match="device must be one of"):
+        DynamicGraph(device="tpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("placement", ["cuda", "pinned"])
+def test_gpu_placements_match_cpu(placement):
+    gen = torch.Generator().manual_seed(1)
+    src, dst = torch.randint(0, 30, (2, 500), generator=gen)
+    t = torch.randint(0, 20, (500,), generator=gen).double()
+    cpu, gpu = DynamicGraph(), DynamicGraph(device=placement)
+    for sl in (slice(0, 100), slice(100, 400), slice(400, 500)):
+        cpu.add_edges(src[sl], dst[sl], t[sl])
+        gpu.add_edges(src[sl], dst[sl], t[sl])
+    for v in range(30):
+        assert _neighbors(gpu, v) == _neighbors(cpu, v)

@@ -1,0 +1,229 @@
+"""The dynamic graph store: a growing list of immutable segments with tiered compaction.
+
+Each `add_edges` call sorts its batch into a new segment; segments are merged like a binary
+counter (the newest two merge while the older one is no larger than the newer), so a node's
+history spans O(log E) segments and every edge is re-sorted O(log E) times. Segments are listed
+oldest first, which is also insertion order: ties in time are broken by it.
+
+Assumptions: node ids are non-negative int64; `num_nodes` is the largest id seen plus one (ids
+index node-feature and memory tables); times are float64 (int64 seconds are exact below 2**53);
+`num_edges` counts inserted events, and with `add_reverse` each event is stored twice (from src
+and from dst, with the same eid), which `num_stored_edges` counts.
+
+Placement: "cpu" and "cuda" keep every segment on that device. "pinned" keeps segments in pinned
+host memory; PyTorch has no way to hand a pinned host tensor to its CUDA kernels as a device
+tensor (zero-copy), so queries over pinned segments run on the CPU and their (small) results are
+copied to the GPU asynchronously by the sampler.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from tidegraph.storage.segment import Segment
+
+__all__ = ["DynamicGraph"]
+
+log = logging.getLogger(__name__)
+
+_PLACEMENTS = ("cpu", "cuda", "pinned")
+_MAX_EXACT_TIME = 2.0**53
+
+
+class DynamicGraph:
+    """A time-indexed graph that only grows (apart from offloading old history)."""
+
+    def __init__(self, device: str | torch.device = "cpu", add_reverse: bool = True) -> None:
+        placement = str(device)
+        if placement.split(":")[0] not in _PLACEMENTS:
+            raise ValueError(f"DynamicGraph: device must be one of {_PLACEMENTS}, got {device!r}")
+        if placement != "cpu" and not torch.cuda.is_available():
+            raise ValueError(f"DynamicGraph: device {placement!r} needs CUDA, which is absent")
+        self.placement = placement
+        self.add_reverse = add_reverse
+        self.segments: list[Segment] = []
+        self.num_nodes = 0
+        self.num_edges = 0
+        self._next_eid = 0
+
+    @property
+    def device(self) -> torch.device:
+        """Where segment tensors live (pinned segments are host tensors)."""
+        return torch.device("cpu" if self.placement in ("cpu", "pinned") else self.placement)
+
+    @property
+    def num_stored_edges(self) -> int:
+        return sum(s.num_edges for s in self.segments)
+
+    # ---- ingest ---------------------------------------------------------------------------
+
+    def add_edges(self, src, dst, t, eid=None) -> None:
+        """Insert a batch of edges (torch or numpy 1-D arrays, any time order).
+
+        Default eids continue from the number of events inserted so far. Invalid input (ids
+        negative or non-integer, NaN or non-finite times, mismatched lengths) raises ValueError
+        and leaves the graph unchanged.
+        """
+        src, dst, t = (
+            _as_tensor(x, name, self.device) for x, name in ((src, "src"), (dst, "dst"), (t, "t"))
+        )
+        n = src.shape[0]
+        if eid is None:
+            eid = torch.arange(self._next_eid, self._next_eid + n, device=self.device)
+        else:
+            eid = _as_tensor(eid, "eid", self.device)
+        src, dst, eid = (
+            _check_ids(x, name) for x, name in ((src, "src"), (dst, "dst"), (eid, "eid"))
+        )
+        t = t.to(torch.float64)
+        if not all(x.shape == (n,) for x in (dst, t, eid)):
+            raise ValueError(
+                "add_edges: src, dst, t and eid must be 1-D of equal length, got "
+                f"{tuple(src.shape)}, {tuple(dst.shape)}, {tuple(t.shape)}, {tuple(eid.shape)}"
+            )
+        if n == 0:
+            return
+        _check_batch(src, dst, t, eid)
+        if self.add_reverse:
+            node = torch.stack([src, dst], 1).flatten()
+            nbr = torch.stack([dst, src], 1).flatten()
+            t, eid = t.repeat_interleave(2), eid.repeat_interleave(2)
+        else:
+            node, nbr = src, dst
+        self._push(Segment.build(node, nbr, t, eid))
+        self.num_nodes = max(self.num_nodes, int(torch.maximum(src.max(), dst.max())) + 1)
+        self.num_edges += n
+        self._next_eid = max(self._next_eid, int(eid.max()) + 1)
+
+    def _push(self, segment: Segment) -> None:
+        if self.placement == "pinned":
+            segment = segment.to("cpu", pin=True)
+        self.segments.append(segment)
+        while len(self.segments) >= 2 and (
+            self.segments[-2].num_edges <= self.segments[-1].num_edges
+        ):
+            newer = self.segments.pop()
+            older = self.segments.pop()
+            merged = Segment.merge(older, newer)
+            self.segments.append(
+                merged.to("cpu", pin=True) if self.placement == "pinned" else merged
+            )
+
+    # ---- queries --------------------------------------------------------------------------
+
+    def out_degree(self, nodes) -> torch.Tensor:
+        """Number of stored edges of each node (reverse copies included), int64 like `nodes`."""
+        nodes = _check_ids(_as_tensor(nodes, "nodes", self.device), "nodes")
+        deg = torch.zeros_like(nodes)
+        for seg in self.segments:
+            lo, hi = seg.node_ranges(nodes)
+            deg += hi - lo
+        return deg
+
+    def temporal_neighbors(self, node: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """All edges of `node` as (nbr, t, eid), newest first; ties: later-inserted first."""
+        root = torch.tensor([int(node)], device=self.device)
+        parts = []
+        for seg in reversed(self.segments):
+            lo, hi = seg.node_ranges(root)
+            sl = slice(int(lo), int(hi))
+            parts.append((seg.nbr[sl].long().flip(0), seg.t[sl].flip(0), seg.eid[sl].flip(0)))
+        if not parts:
+            empty = torch.empty(0, dtype=torch.int64, device=self.device)
+            return empty, empty.double(), empty
+        nbr, t, eid = (torch.cat(p) for p in zip(*parts, strict=True))
+        order = torch.sort(t, descending=True, stable=True).indices
+        return nbr[order], t[order], eid[order]
+
+    # ---- maintenance ----------------------------------------------------------------------
+
+    def offload_before(self, t: float) -> int:
+        """Drop stored edges older than `t` and free their memory; returns how many went."""
+        before = self.num_stored_edges
+        kept = []
+        for seg in self.segments:
+            if seg.t_min >= t:
+                kept.append(seg)
+            elif seg.t_max >= t:
+                trimmed = seg.drop_before(t)
+                if trimmed is not None:
+                    kept.append(
+                        trimmed.to("cpu", pin=True) if self.placement == "pinned" else trimmed
+                    )
+        self.segments = kept
+        dropped = before - self.num_stored_edges
+        log.info("offloaded %d stored edges older than t=%s", dropped, t)
+        return dropped
+
+    def memory_bytes(self) -> int:
+        return sum(s.nbytes for s in self.segments)
+
+    def memory_report(self) -> dict:
+        """Bytes held in total and per stored edge, with the segment count."""
+        stored = self.num_stored_edges
+        total = self.memory_bytes()
+        return {
+            "placement": self.placement,
+            "segments": len(self.segments),
+            "num_edges": self.num_edges,
+            "num_stored_edges": stored,
+            "bytes": total,
+            "bytes_per_stored_edge": total / stored if stored else 0.0,
+        }
+
+    # ---- state ----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        return {
+            "add_reverse": self.add_reverse,
+            "num_nodes": self.num_nodes,
+            "num_edges": self.num_edges,
+            "next_eid": self._next_eid,
+            "segments": [s.state_dict() for s in self.segments],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        pin = self.placement == "pinned"
+        self.add_reverse = state["add_reverse"]
+        self.num_nodes = state["num_nodes"]
+        self.num_edges = state["num_edges"]
+        self._next_eid = state["next_eid"]
+        self.segments = [
+            Segment.from_state_dict(s).to(self.device, pin=pin) for s in state["segments"]
+        ]
+
+
+def _as_tensor(x, name: str, device: torch.device) -> torch.Tensor:
+    if isinstance(x, np.ndarray):
+        x = torch.from_numpy(x)
+    elif not isinstance(x, torch.Tensor):
+        x = torch.as_tensor(x)
+    if x.dim() != 1:
+        raise ValueError(f"add_edges: {name} must be 1-D, got shape {tuple(x.shape)}")
+    return x.to(device)
+
+
+def _check_ids(x: torch.Tensor, name: str) -> torch.Tensor:
+    bad_dtype = x.is_floating_point() or x.dtype == torch.bool or x.is_complex()
+    if bad_dtype and x.numel():  # an empty list arrives as float; it holds no ids to check
+        raise ValueError(f"DynamicGraph: {name} must hold integer ids, got dtype {x.dtype}")
+    return x.long()
+
+
+def _check_batch(src: torch.Tensor, dst: torch.Tensor, t: torch.Tensor, eid: torch.Tensor) -> None:
+    """One host sync for all checks; the message names the first offending row."""
+    bad_id = (src < 0) | (dst < 0) | (eid < 0)
+    bad_t = ~torch.isfinite(t) | (t.abs() > _MAX_EXACT_TIME)
+    flags = torch.stack([bad_id.any(), bad_t.any()]).tolist()
+    if flags[0]:
+        row = int(bad_id.nonzero()[0])
+        raise ValueError(
+            f"add_edges: row {row} has a negative id "
+            f"(src={int(src[row])}, dst={int(dst[row])}, eid={int(eid[row])})"
+        )
+    if flags[1]:
+        row = int(bad_t.nonzero()[0])
+        raise ValueError(f"add_edges: row {row} has time {float(t[row])}, not a finite number")

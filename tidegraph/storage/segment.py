@@ -1,0 +1,162 @@
+"""Immutable, time-sliced segments of a dynamic graph.
+
+A segment holds the edges of one or more ingested batches, sorted by (node, time, insertion
+order): sorted unique node ids, offsets into the edge arrays, and per-edge neighbour, time and
+edge id. It has no per-graph `indptr`, so it costs memory in proportion to its edges and to the
+nodes it touches, and it never changes after it is built: it can be published to an object
+store, replicated by reference and persisted as it is.
+
+Queries are vectorized over roots: a node lookup is one `searchsorted`; the time bound inside a
+node's range is a branch-free binary search whose step count is fixed by the segment's largest
+degree, so it needs no host synchronisation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Segment"]
+
+_INT32_MAX = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Edges sorted by (node, t, insertion order). `nbr` is int32 when every id fits."""
+
+    nodes: torch.Tensor  # int64 [U], sorted, unique
+    offsets: torch.Tensor  # int64 [U + 1]
+    nbr: torch.Tensor  # int32 or int64 [E]
+    t: torch.Tensor  # float64 [E]
+    eid: torch.Tensor  # int64 [E]
+    max_degree: int  # largest range length; bounds the binary-search steps
+    t_min: float
+    t_max: float
+
+    @staticmethod
+    def build(node: torch.Tensor, nbr: torch.Tensor, t: torch.Tensor, eid: torch.Tensor) -> Segment:
+        """Build from edges given in insertion order (ties in time keep this order)."""
+        perm = torch.sort(t, stable=True).indices
+        perm = perm[torch.sort(node[perm], stable=True).indices]
+        return Segment._from_sorted(node[perm], nbr[perm], t[perm], eid[perm])
+
+    @staticmethod
+    def merge(older: Segment, newer: Segment) -> Segment:
+        """One segment holding both; ties in (node, t) put `older`'s edges first."""
+        node = torch.cat([older.expanded_nodes(), newer.expanded_nodes()])
+        nbr = torch.cat([older.nbr.long(), newer.nbr.long()])
+        t = torch.cat([older.t, newer.t])
+        eid = torch.cat([older.eid, newer.eid])
+        return Segment.build(node, nbr, t, eid)
+
+    @staticmethod
+    def _from_sorted(
+        node: torch.Tensor, nbr: torch.Tensor, t: torch.Tensor, eid: torch.Tensor
+    ) -> Segment:
+        nodes, counts = torch.unique_consecutive(node, return_counts=True)
+        offsets = torch.zeros(nodes.numel() + 1, dtype=torch.int64, device=node.device)
+        torch.cumsum(counts, 0, out=offsets[1:])
+        stats = torch.stack(
+            [
+                counts.max().double() if counts.numel() else t.new_zeros(()),
+                t.min() if t.numel() else t.new_zeros(()),
+                t.max() if t.numel() else t.new_zeros(()),
+            ]
+        ).tolist()
+        return Segment(
+            nodes=nodes,
+            offsets=offsets,
+            nbr=_narrow(nbr),
+            t=t,
+            eid=eid,
+            max_degree=int(stats[0]),
+            t_min=stats[1],
+            t_max=stats[2],
+        )
+
+    @property
+    def num_edges(self) -> int:
+        return int(self.t.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        arrays = (self.nodes, self.offsets, self.nbr, self.t, self.eid)
+        return sum(a.numel() * a.element_size() for a in arrays)
+
+    def expanded_nodes(self) -> torch.Tensor:
+        """The source node of every edge, [E]."""
+        counts = self.offsets[1:] - self.offsets[:-1]
+        return torch.repeat_interleave(self.nodes, counts, output_size=self.num_edges)
+
+    def node_ranges(self, roots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[lo, hi) of each root's edges in this segment; empty for nodes not present."""
+        idx = torch.searchsorted(self.nodes, roots)
+        idx_c = idx.clamp(max=max(self.nodes.numel() - 1, 0))
+        found = (idx < self.nodes.numel()) & (self.nodes[idx_c] == roots)
+        lo = torch.where(found, self.offsets[idx_c], 0)
+        hi = torch.where(found, self.offsets[idx_c + 1], 0)
+        return lo, hi
+
+    def lower_bound(self, lo: torch.Tensor, hi: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
+        """First position p in [lo, hi) with t[p] >= bound (hi when none): edges before it are
+        strictly older than `bound`."""
+        if self.num_edges == 0:
+            return lo
+        lo, hi = lo.clone(), hi.clone()
+        for _ in range(max(self.max_degree, 1).bit_length()):
+            mid = (lo + hi) >> 1
+            older = self.t[mid.clamp(max=self.num_edges - 1)] < bound
+            open_ = lo < hi
+            lo = torch.where(open_ & older, mid + 1, lo)
+            hi = torch.where(open_ & ~older, mid, hi)
+        return lo
+
+    def drop_before(self, t: float) -> Segment | None:
+        """A copy without edges older than `t`, or None when nothing is left."""
+        keep = self.t >= t
+        if not bool(keep.any()):
+            return None
+        return Segment._from_sorted(
+            self.expanded_nodes()[keep], self.nbr[keep].long(), self.t[keep], self.eid[keep]
+        )
+
+    def to(self, device: torch.device | str, pin: bool = False) -> Segment:
+        def move(x: torch.Tensor) -> torch.Tensor:
+            x = x.to(device)
+            return x.pin_memory() if pin else x
+
+        return Segment(
+            nodes=move(self.nodes),
+            offsets=move(self.offsets),
+            nbr=move(self.nbr),
+            t=move(self.t),
+            eid=move(self.eid),
+            max_degree=self.max_degree,
+            t_min=self.t_min,
+            t_max=self.t_max,
+        )
+
+    def state_dict(self) -> dict:
+        return {
+            "nodes": self.nodes,
+            "offsets": self.offsets,
+            "nbr": self.nbr,
+            "t": self.t,
+            "eid": self.eid,
+            "max_degree": self.max_degree,
+            "t_min": self.t_min,
+            "t_max": self.t_max,
+        }
+
+    @staticmethod
+    def from_state_dict(state: dict) -> Segment:
+        return Segment(**state)
+
+
+def _narrow(ids: torch.Tensor) -> torch.Tensor:
+    """int32 when every id fits, so a stored edge costs 20 bytes instead of 24."""
+    if ids.numel() == 0 or int(ids.max()) <= _INT32_MAX:
+        return ids.to(torch.int32)
+    return ids.long()
