@@ -163,3 +163,17 @@ def test_gpu_placements_match_cpu(placement):
         gpu.add_edges(src[sl], dst[sl], t[sl])
     for v in range(30):
         assert _neighbors(gpu, v) == _neighbors(cpu, v)
+
+
+@settings(max_examples=60, deadline=None)
+@given(batches(), st.booleans())
+def test_time_ordered_stream_matches_reference(data, add_reverse):
+    """Batches later in time than the ones before (sharing boundary times): the merge path that
+    interleaves sorted segments instead of re-sorting them."""
+    g, ref = DynamicGraph(add_reverse=add_reverse), ReferenceGraph(add_reverse=add_reverse)
+    for i, (src, dst, t) in enumerate(data):
+        t = sorted(6.0 * i + x for x in t) if i % 2 else [6.0 * i + x for x in t]
+        g.add_edges(torch.tensor(src, dtype=torch.int64), torch.tensor(dst, dtype=torch.int64), t)
+        ref.add_edges(src, dst, t)
+    for v in range(13):
+        assert _neighbors(g, v) == ref.neighbors(v)

@@ -36,20 +36,61 @@ class Segment:
     t_max: float
 
     @staticmethod
-    def build(node: torch.Tensor, nbr: torch.Tensor, t: torch.Tensor, eid: torch.Tensor) -> Segment:
-        """Build from edges given in insertion order (ties in time keep this order)."""
-        perm = torch.sort(t, stable=True).indices
-        perm = perm[torch.sort(node[perm], stable=True).indices]
+    def build(
+        node: torch.Tensor,
+        nbr: torch.Tensor,
+        t: torch.Tensor,
+        eid: torch.Tensor,
+        time_ordered: bool | None = None,
+    ) -> Segment:
+        """Build from edges given in insertion order (ties in time keep this order).
+
+        `time_ordered` says each node's edges already come in time order (checked when None);
+        then one stable sort by node is enough, which is the common case of a time-ordered
+        stream.
+        """
+        if time_ordered is None:
+            time_ordered = bool((t[1:] >= t[:-1]).all())
+        if time_ordered:
+            perm = torch.sort(node, stable=True).indices
+        else:
+            perm = torch.sort(t, stable=True).indices
+            perm = perm[torch.sort(node[perm], stable=True).indices]
         return Segment._from_sorted(node[perm], nbr[perm], t[perm], eid[perm])
 
     @staticmethod
     def merge(older: Segment, newer: Segment) -> Segment:
         """One segment holding both; ties in (node, t) put `older`'s edges first."""
-        node = torch.cat([older.expanded_nodes(), newer.expanded_nodes()])
-        nbr = torch.cat([older.nbr.long(), newer.nbr.long()])
-        t = torch.cat([older.t, newer.t])
-        eid = torch.cat([older.eid, newer.eid])
-        return Segment.build(node, nbr, t, eid)
+        node_a, node_b = older.expanded_nodes(), newer.expanded_nodes()
+        if older.t_max > newer.t_min:  # times overlap: re-sort everything
+            return Segment.build(
+                torch.cat([node_a, node_b]),
+                torch.cat([older.nbr.long(), newer.nbr.long()]),
+                torch.cat([older.t, newer.t]),
+                torch.cat([older.eid, newer.eid]),
+                time_ordered=False,
+            )
+        # every newer edge is no older than every older one, so a merge by node keeps each
+        # node's rows in (t, insertion) order: an older row goes after the newer rows of
+        # smaller nodes, a newer row after the older rows of smaller or equal nodes
+        pos_a = torch.arange(node_a.numel(), device=node_a.device)
+        pos_a += newer.offsets[torch.searchsorted(newer.nodes, node_a)]
+        pos_b = torch.arange(node_b.numel(), device=node_b.device)
+        pos_b += older.offsets[torch.searchsorted(older.nodes, node_b, right=True)]
+
+        def interleave(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            dtype = torch.promote_types(a.dtype, b.dtype)
+            out = torch.empty(a.numel() + b.numel(), dtype=dtype, device=a.device)
+            out[pos_a] = a.to(dtype)
+            out[pos_b] = b.to(dtype)
+            return out
+
+        return Segment._from_sorted(
+            interleave(node_a, node_b),
+            interleave(older.nbr, newer.nbr),
+            interleave(older.t, newer.t),
+            interleave(older.eid, newer.eid),
+        )
 
     @staticmethod
     def _from_sorted(
