@@ -8,7 +8,7 @@ setup(
     description="Ray-based elastic training orchestrator for temporal graph neural networks",
     python_requires=">=3.10",
     packages=find_packages(include=["tidegraph", "tidegraph.*"]),
-    package_data={"tidegraph.data": ["*.csv.gz", "*.txt.gz"]},
+    package_data={"tidegraph.data": ["*.csv.gz", "*.txt.gz", "README.md"]},
     include_package_data=True,
     install_requires=[
         # 2.13.0 (this project's CPU machines) and 2.11 (the GPU machine) both satisfy this.
