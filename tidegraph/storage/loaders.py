@@ -1,0 +1,279 @@
+"""Streaming event loaders: files of timestamped interactions -> time-ordered `EventBatch`es.
+
+Formats: JODIE CSV (`user_id,item_id,timestamp,state_label,f1..fk`), TGL directories
+(`edges.csv` + optional `edge_features.pt` / `node_features.pt`), SNAP-style edge lists
+(`src dst t`, no header), any CSV through a `ColumnMap`, and Parquet. `format="auto"` picks one
+from the path (see `loaders_sources.detect_format`).
+
+    reader = open_events("wiki.csv.gz", sort=True, quarantine="bad_rows.csv")
+    for batch in reader:          # EventBatch, time order, eid = 0, 1, 2, ... over the stream
+        ...
+    reader.stats.rows_rejected
+
+Assumptions and rules:
+- Files are streamed a chunk at a time (`chunk_rows` rows); no file is read whole, except with
+  `sort="full"`, which holds all events in memory to sort them.
+- Batches come out in time order, ties in file order. `eid` numbers the yielded events 0..N-1.
+- Bad rows (non-numeric or NaN time, negative, non-integer or out-of-range ids, wrong field count
+  or feature width, time out of order) raise `LoaderError` naming file, line and reason; with
+  `quarantine=PATH` they are written to that CSV (columns `line,reason,text`) instead, counted in
+  `stats`, and a warning is logged. Valid rows are never dropped.
+- Line numbers: see `loaders_sources` (1-based, header included, blank lines not counted).
+  Parquet files report 1-based row positions instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.csv as pacsv
+import torch
+
+from tidegraph.storage.events import EventBatch
+from tidegraph.storage.loaders_config import ColumnMap, LoaderConfig, LoaderError
+from tidegraph.storage.loaders_order import FullSorter, Reorderer
+from tidegraph.storage.loaders_parse import IdRules, Rejects, Rows, parse_chunk
+from tidegraph.storage.loaders_sources import (
+    ParquetSource,
+    TglSource,
+    detect_format,
+    jodie_source,
+    load_tensor,
+    text_source,
+)
+
+__all__ = [
+    "ColumnMap",
+    "EventReader",
+    "LoadStats",
+    "LoaderConfig",
+    "LoaderError",
+    "load_events",
+    "open_events",
+    "read_node_features",
+]
+
+logger = logging.getLogger(__name__)
+
+_QUARANTINE_SCHEMA = pa.schema(
+    [("line", pa.int64()), ("reason", pa.string()), ("text", pa.string())]
+)
+
+
+@dataclass
+class LoadStats:
+    """Counts of one pass over a file; `rejected_by_reason` keys are reasons without values."""
+
+    rows_read: int = 0
+    rows_yielded: int = 0
+    rows_rejected: int = 0
+    rejected_by_reason: Counter = field(default_factory=Counter)
+
+    def state_dict(self) -> dict:
+        return dataclasses.asdict(self) | {"rejected_by_reason": dict(self.rejected_by_reason)}
+
+
+class EventReader:
+    """An iterable over the time-ordered event batches of one file (one pass per iteration)."""
+
+    def __init__(self, path: str | Path, config: LoaderConfig) -> None:
+        self.path = Path(path)
+        self.config = config
+        if not self.path.exists():
+            raise LoaderError(self.path, None, "no such file or directory")
+        self.format = config.format if config.format != "auto" else detect_format(self.path)
+        self._source, self._rules = self._make_source()
+        self.stats = LoadStats()
+
+    def _make_source(self):
+        cfg, fmt, rules = self.config, self.format, IdRules(node_bound=self.config.num_nodes)
+        if fmt == "jodie":
+            if cfg.columns is not None:
+                raise ValueError("LoaderConfig.columns does not apply to format 'jodie'")
+            return jodie_source(self.path, cfg)
+        if fmt == "tgl":
+            return TglSource(self.path, cfg), rules
+        if fmt == "parquet":
+            return ParquetSource(self.path, cfg), rules
+        header = cfg.header if cfg.header is not None else fmt == "csv"
+        return text_source(self.path, cfg, cfg.columns, header=header), rules
+
+    @property
+    def unit(self) -> str:
+        return self._source.unit
+
+    def node_features(self) -> torch.Tensor | None:
+        """TGL `node_features.pt` (memory-mapped) next to the edges; None if there is none."""
+        return read_node_features(self.path) if self.format == "tgl" else None
+
+    def __iter__(self) -> Iterator[EventBatch]:
+        self.stats = LoadStats()
+        window = self.config.window
+        order = FullSorter() if window is None else Reorderer(window)
+        with _Quarantine(self.config.quarantine) as quarantine:
+            eid = 0
+            for chunk in self._source.chunks():
+                self.stats.rows_read += len(chunk.lines) + _count(chunk.rejects)
+                rows, rejects = parse_chunk(chunk, self._rules, self.config.feature_dim)
+                self._reject(rejects, quarantine)
+                ready, late, bound = order.push(rows)
+                self._reject(self._late(rows, late, bound), quarantine)
+                for batch in self._batches(ready, eid):
+                    eid += len(batch)
+                    yield batch
+            for batch in self._batches(order.finish(), eid):
+                eid += len(batch)
+                yield batch
+        self._report()
+
+    def _batches(self, rows: Rows | None, eid: int) -> Iterator[EventBatch]:
+        if rows is None or len(rows) == 0:
+            return
+        step = self.config.chunk_rows
+        for start in range(0, len(rows), step):
+            part = rows.take(np.arange(start, min(start + step, len(rows))))
+            self.stats.rows_yielded += len(part)
+            yield _to_batch(part, eid + start)
+
+    def _late(self, rows: Rows, late: np.ndarray, bound: np.ndarray) -> Rejects:
+        if late.size == 0:
+            return Rejects.empty()
+        hint = (
+            "time decreases (pass sort=True to reorder)"
+            if self.config.window == 0
+            else f"event is too late for reorder_window={self.config.window} rows"
+        )
+        reasons = [
+            f"{hint}: time {t:g} is earlier than {b:g}, seen before"
+            for t, b in zip(rows.t[late].tolist(), bound.tolist(), strict=True)
+        ]
+        texts = [
+            f"{s},{d},{t!r}"
+            for s, d, t in zip(rows.src[late], rows.dst[late], rows.t[late].tolist(), strict=True)
+        ]
+        return Rejects(rows.lines[late], reasons, texts)
+
+    def _reject(self, rejects: Rejects, quarantine: _Quarantine) -> None:
+        if len(rejects) == 0:
+            return
+        if not quarantine.active:
+            i = int(np.argmin(rejects.lines))
+            raise LoaderError(
+                self._source.path, int(rejects.lines[i]), rejects.reasons[i], self.unit
+            )
+        quarantine.write(rejects)
+        self.stats.rows_rejected += len(rejects)
+        self.stats.rejected_by_reason.update(_kind(r) for r in rejects.reasons)
+
+    def _report(self) -> None:
+        s = self.stats
+        if s.rows_rejected:
+            logger.warning(
+                "rejected %d of %d rows of %s (%s); written to %s",
+                s.rows_rejected,
+                s.rows_read,
+                self._source.path,
+                ", ".join(f"{k}: {v}" for k, v in s.rejected_by_reason.most_common()),
+                self.config.quarantine,
+            )
+
+
+def _count(rejects: Rejects | None) -> int:
+    return 0 if rejects is None else len(rejects)
+
+
+def _kind(reason: str) -> str:
+    """A reason without its values: the text before the first quote, digit or colon."""
+    for i, ch in enumerate(reason):
+        if ch in "'\"(:" or ch.isdigit():
+            return reason[:i].strip()
+    return reason
+
+
+def _to_batch(rows: Rows, first_eid: int) -> EventBatch:
+    n = len(rows)
+    return EventBatch(
+        src=torch.from_numpy(np.ascontiguousarray(rows.src, dtype=np.int64)),
+        dst=torch.from_numpy(np.ascontiguousarray(rows.dst, dtype=np.int64)),
+        t=torch.from_numpy(np.ascontiguousarray(rows.t, dtype=np.float64)),
+        eid=torch.arange(first_eid, first_eid + n, dtype=torch.int64),
+        edge_feat=None if rows.feat is None else torch.from_numpy(_f32(rows.feat)),
+        label=None if rows.label is None else torch.from_numpy(_f32(rows.label)),
+    )
+
+
+def _f32(values: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(values, dtype=np.float32)
+
+
+class _Quarantine:
+    """A CSV file of rejected rows, opened on entry when a path is configured."""
+
+    def __init__(self, path: str | Path | None) -> None:
+        self.path = None if path is None else Path(path)
+        self._writer: pacsv.CSVWriter | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.path is not None
+
+    def __enter__(self) -> _Quarantine:
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._writer = pacsv.CSVWriter(str(self.path), _QUARANTINE_SCHEMA)
+        return self
+
+    def write(self, rejects: Rejects) -> None:
+        table = pa.table(
+            [pa.array(rejects.lines, pa.int64()), rejects.reasons, rejects.texts],
+            schema=_QUARANTINE_SCHEMA,
+        )
+        self._writer.write_table(table)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._writer is not None:
+            self._writer.close()
+
+
+def open_events(
+    path: str | Path, format: str = "auto", *, config: LoaderConfig | None = None, **options
+) -> EventReader:
+    """An `EventReader` over `path`; `options` are `LoaderConfig` fields (they override `config`).
+
+    Example: open_events(p, columns=ColumnMap(src="u", dst="i", time="ts"), sort=True).
+    """
+    if config is None:
+        config = LoaderConfig(format=format, **options)
+    else:
+        fmt = {"format": format} if format != "auto" else {}
+        config = dataclasses.replace(config, **fmt, **options)
+    return EventReader(path, config)
+
+
+def load_events(
+    path: str | Path, format: str = "auto", *, config: LoaderConfig | None = None, **options
+) -> EventBatch:
+    """All events of `path` as one `EventBatch` (same options as `open_events`)."""
+    reader = open_events(path, format, config=config, **options)
+    batches = list(reader)
+    if not batches:
+        return _to_batch(_empty_rows(reader), 0)
+    return EventBatch.cat(batches)
+
+
+def _empty_rows(reader: EventReader) -> Rows:
+    e = np.empty(0)
+    return Rows(src=e.astype(np.int64), dst=e.astype(np.int64), t=e, lines=e.astype(np.int64))
+
+
+def read_node_features(path: str | Path) -> torch.Tensor | None:
+    """TGL `node_features.pt` of a directory (or that file), memory-mapped; None if absent."""
+    path = Path(path)
+    return load_tensor(path / "node_features.pt" if path.is_dir() else path)

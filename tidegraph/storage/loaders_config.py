@@ -1,0 +1,124 @@
+"""Configuration and errors of the event loaders (`tidegraph.storage.loaders`).
+
+`ColumnMap` says which file columns hold src, dst, time, label and features; a column is named by
+its header name or by its 0-based position (positions are the only way for files without a
+header). `LoaderConfig` holds every option of `open_events`; it is validated on construction and
+each message names the field to fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["ColumnMap", "LoaderConfig", "LoaderError", "FORMATS", "SORT_MODES"]
+
+FORMATS = ("auto", "jodie", "tgl", "snap", "csv", "parquet")
+SORT_MODES = (False, True, "window", "full")
+
+Column = str | int
+
+
+class LoaderError(ValueError):
+    """Bad input: names the file, the line (text files) or row (Parquet) and the reason."""
+
+    def __init__(self, path: str | Path, line: int | None, reason: str, unit: str = "line") -> None:
+        self.path = str(path)
+        self.line = line
+        self.reason = reason
+        where = f"{self.path}: {unit} {line}" if line is not None else self.path
+        super().__init__(f"{where}: {reason}")
+
+
+@dataclass(kw_only=True, frozen=True)
+class ColumnMap:
+    """Where the event fields are; `features` is a tuple of columns or one list-typed column."""
+
+    src: Column = "src"
+    dst: Column = "dst"
+    time: Column = "time"
+    label: Column | None = None
+    features: tuple[Column, ...] | Column | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("src", "dst", "time", "label"):
+            _check_column(getattr(self, name), f"ColumnMap.{name}", optional=name == "label")
+        if isinstance(self.features, (list, tuple)):
+            for c in self.features:
+                _check_column(c, "ColumnMap.features", optional=False)
+            object.__setattr__(self, "features", tuple(self.features))
+        else:
+            _check_column(self.features, "ColumnMap.features", optional=True)
+
+    def feature_columns(self) -> tuple[Column, ...]:
+        if self.features is None:
+            return ()
+        return self.features if isinstance(self.features, tuple) else (self.features,)
+
+
+def _check_column(value: object, field: str, optional: bool) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise ValueError(f"{field} must be a column name or a 0-based position, got {value!r}")
+    if isinstance(value, int) and value < 0:
+        raise ValueError(f"{field} must be a position >= 0, got {value}")
+
+
+@dataclass(kw_only=True)
+class LoaderConfig:
+    """Options of `open_events` / `load_events`.
+
+    sort: False -- time must never decrease (the first decreasing row is an error);
+          True or "window" -- sort within a reorder window of `reorder_window` rows: an event
+          may arrive up to that many rows after events with a later time; an event later than
+          that is an error (or is quarantined); "full" -- read everything, then sort in memory.
+    quarantine: a CSV path; rejected rows are written there (line, reason, text) instead of
+          raising, counted in `EventReader.stats` and reported in a logged warning.
+    num_users: JODIE only; item ids are shifted by it. None = a first pass over the user column.
+    num_nodes: when set, ids must be < num_nodes.
+    feature_dim: when set, the file's feature width must equal it.
+    """
+
+    format: str = "auto"
+    columns: ColumnMap | None = None
+    chunk_rows: int = 65_536
+    sort: bool | str = False
+    reorder_window: int = 100_000
+    quarantine: str | Path | None = None
+    num_users: int | None = None
+    num_nodes: int | None = None
+    feature_dim: int | None = None
+    delimiter: str | None = None
+    header: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.format not in FORMATS:
+            raise ValueError(f"LoaderConfig.format must be one of {FORMATS}, got {self.format!r}")
+        if self.columns is not None and not isinstance(self.columns, ColumnMap):
+            raise ValueError("LoaderConfig.columns must be a ColumnMap or None")
+        if not (isinstance(self.sort, bool) or self.sort in ("window", "full")):
+            raise ValueError(f"LoaderConfig.sort must be one of {SORT_MODES}, got {self.sort!r}")
+        _positive("chunk_rows", self.chunk_rows)
+        _positive("reorder_window", self.reorder_window)
+        for name in ("num_users", "num_nodes", "feature_dim"):
+            if getattr(self, name) is not None:
+                _positive(name, getattr(self, name), allow_zero=name == "feature_dim")
+        if self.delimiter is not None and len(self.delimiter) != 1:
+            raise ValueError(
+                f"LoaderConfig.delimiter must be one character, got {self.delimiter!r}"
+            )
+
+    @property
+    def window(self) -> int | None:
+        """Reorder window in rows: 0 = no reordering, None = full in-memory sort."""
+        if self.sort is False:
+            return 0
+        return None if self.sort == "full" else self.reorder_window
+
+
+def _positive(name: str, value: object, allow_zero: bool = False) -> None:
+    ok = isinstance(value, int) and not isinstance(value, bool)
+    if not ok or value < (0 if allow_zero else 1):
+        bound = ">= 0" if allow_zero else ">= 1"
+        raise ValueError(f"LoaderConfig.{name} must be an integer {bound}, got {value!r}")

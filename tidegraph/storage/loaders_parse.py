@@ -1,0 +1,290 @@
+"""Vectorized conversion and validation of one chunk of raw columns into typed event rows.
+
+Internal to `tidegraph.storage.loaders`. A source hands over a chunk whose columns are named by
+role (`src`, `dst`, `time`, optional `label`, feature columns) and hold either text (CSV) or
+native numbers (Parquet). Each column is parsed with one pyarrow cast on the fast path; only a
+chunk that fails the cast is diagnosed row by row, with vectorized regular expressions.
+
+Assumptions:
+- Ids are integers >= 0; a value such as "3.0" or "1e3" that is integral is accepted as an id.
+- Time must be a finite number; labels and features must be numbers (NaN features are kept).
+- The first failed check of a row is its reason; a row has one reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+_FLOAT_RE = r"^[+-]?((\d+\.?\d*|\.\d+)([eE][+-]?\d+)?|(?i:nan|inf|infinity))$"
+_INT_RE = r"^[+-]?\d+$"
+
+
+@dataclass
+class Rejects:
+    """Rejected rows of a chunk: line (or row) numbers, reasons and raw text, in any order."""
+
+    lines: np.ndarray
+    reasons: list[str]
+    texts: list[str]
+
+    @staticmethod
+    def empty() -> Rejects:
+        return Rejects(np.empty(0, dtype=np.int64), [], [])
+
+    def __len__(self) -> int:
+        return len(self.reasons)
+
+    @staticmethod
+    def cat(parts: list[Rejects]) -> Rejects:
+        parts = [p for p in parts if len(p)]
+        if not parts:
+            return Rejects.empty()
+        lines = np.concatenate([p.lines for p in parts])
+        order = np.argsort(lines, kind="stable")
+        reasons = [r for p in parts for r in p.reasons]
+        texts = [t for p in parts for t in p.texts]
+        return Rejects(lines[order], [reasons[i] for i in order], [texts[i] for i in order])
+
+
+@dataclass
+class Rows:
+    """Valid events of a chunk as numpy arrays, with the line (or row) number of each."""
+
+    src: np.ndarray
+    dst: np.ndarray
+    t: np.ndarray
+    lines: np.ndarray
+    label: np.ndarray | None = None
+    feat: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return int(self.src.shape[0])
+
+    def take(self, index: np.ndarray) -> Rows:
+        return Rows(
+            src=self.src[index],
+            dst=self.dst[index],
+            t=self.t[index],
+            lines=self.lines[index],
+            label=None if self.label is None else self.label[index],
+            feat=None if self.feat is None else self.feat[index],
+        )
+
+    @staticmethod
+    def cat(parts: list[Rows]) -> Rows:
+        def join(name: str) -> np.ndarray | None:
+            values = [getattr(p, name) for p in parts]
+            return None if values[0] is None else np.concatenate(values)
+
+        return Rows(**{name: join(name) for name in ("src", "dst", "t", "lines", "label", "feat")})
+
+
+@dataclass(kw_only=True)
+class IdRules:
+    """Range rules for ids: `dst_offset` is added to dst (JODIE items); bounds are exclusive."""
+
+    dst_offset: int = 0
+    src_bound: int | None = None
+    node_bound: int | None = None
+    src_bound_name: str = "num_users"
+
+
+@dataclass
+class RawChunk:
+    """Columns of one chunk keyed by role, with the file's name for each and each row's line."""
+
+    columns: dict[str, pa.Array]
+    names: dict[str, str]
+    lines: np.ndarray
+    feature_names: list[str]
+    feat: np.ndarray | None = None
+    rejects: Rejects | None = None
+
+
+class _Checks:
+    """Collects the first failed check of each row of a chunk."""
+
+    def __init__(self, n: int) -> None:
+        self.bad = np.zeros(n, dtype=bool)
+        self.reason: dict[int, str] = {}
+
+    def fail(self, mask: np.ndarray, describe) -> None:
+        """Mark rows in `mask` not yet failed; `describe(index)` gives their reasons."""
+        index = np.flatnonzero(mask & ~self.bad)
+        if index.size == 0:
+            return
+        self.bad[index] = True
+        self.reason.update(zip(index.tolist(), describe(index), strict=True))
+
+
+def parse_chunk(chunk: RawChunk, rules: IdRules, feature_dim: int | None) -> tuple[Rows, Rejects]:
+    """Parse and validate a chunk; returns the valid rows and the rejected ones."""
+    n = len(chunk.lines)
+    checks = _Checks(n)
+    cols, names = chunk.columns, chunk.names
+    src = _parse_id(cols["src"], names["src"], checks)
+    dst = _parse_id(cols["dst"], names["dst"], checks)
+    t = _parse_time(cols["time"], names["time"], checks)
+    label = None
+    if "label" in cols:
+        label = _parse_float(cols["label"], names["label"], checks, "label").astype(np.float32)
+    feat = chunk.feat if chunk.feat is not None else _parse_features(chunk, checks, feature_dim)
+    dst = _apply_rules(src, dst, rules, checks)
+    keep = np.flatnonzero(~checks.bad)
+    rows = Rows(src=src, dst=dst, t=t, lines=chunk.lines, label=label, feat=feat).take(keep)
+    return rows, _rejects(chunk, checks)
+
+
+def _rejects(chunk: RawChunk, checks: _Checks) -> Rejects:
+    index = np.flatnonzero(checks.bad)
+    texts = _row_texts(chunk.columns, index)
+    own = Rejects(chunk.lines[index], [checks.reason[i] for i in index.tolist()], texts)
+    return own if chunk.rejects is None else Rejects.cat([chunk.rejects, own])
+
+
+def _row_texts(columns: dict[str, pa.Array], index: np.ndarray) -> list[str]:
+    if index.size == 0:
+        return []
+    picked = [columns[k].take(pa.array(index)).to_pylist() for k in ("src", "dst", "time")]
+    return [",".join("" if v is None else str(v) for v in row) for row in zip(*picked, strict=True)]
+
+
+def _values(array: pa.Array, index: np.ndarray) -> list:
+    return array.take(pa.array(index)).to_pylist()
+
+
+def _parse_id(array: pa.Array, name: str, checks: _Checks) -> np.ndarray:
+    """Parse ids to int64; non-numeric, non-integer and negative ids fail their row."""
+    if pa.types.is_integer(array.type) and array.null_count == 0:
+        values = array.to_numpy().astype(np.int64, copy=False)
+    else:
+        values = _parse_id_slow(array, name, checks)
+    checks.fail(values < 0, lambda i: [f"negative id {v} in column '{name}'" for v in values[i]])
+    return values
+
+
+def _parse_id_slow(array: pa.Array, name: str, checks: _Checks) -> np.ndarray:
+    if pa.types.is_string(array.type) or pa.types.is_large_string(array.type):
+        try:
+            return pc.cast(array, pa.int64()).to_numpy()
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+            pass
+    as_float = _parse_float(array, name, checks, what="id")
+    integral = np.isfinite(as_float) & (np.floor(as_float) == as_float)
+    bad = ~integral & ~checks.bad
+    checks.fail(
+        bad, lambda i: [f"non-integer id {v!r} in column '{name}'" for v in _values(array, i)]
+    )
+    values = np.where(integral, as_float, 0).astype(np.int64)
+    exact = _exact_ints(array)
+    if exact is not None:
+        values = np.where(exact[1], exact[0], values)
+    return values
+
+
+def _exact_ints(array: pa.Array) -> tuple[np.ndarray, np.ndarray] | None:
+    """Exact int64 values of text that looks like an integer (floats lose ids above 2**53)."""
+    if not (pa.types.is_string(array.type) or pa.types.is_large_string(array.type)):
+        return None
+    text = pc.utf8_trim_whitespace(array)
+    looks = pc.fill_null(pc.match_substring_regex(text, _INT_RE), False)
+    cleaned = pc.if_else(looks, pc.utf8_ltrim(text, characters="+"), pa.scalar("0"))
+    try:
+        return pc.cast(cleaned, pa.int64()).to_numpy(), looks.to_numpy(zero_copy_only=False)
+    except pa.ArrowInvalid:  # out of int64 range: keep the float value, which fails later
+        return None
+
+
+def _parse_time(array: pa.Array, name: str, checks: _Checks) -> np.ndarray:
+    values = _parse_float(array, name, checks, "time")
+    bad = ~np.isfinite(values)
+    checks.fail(bad, lambda i: [_bad_time(v, name) for v in values[i]])
+    return values
+
+
+def _bad_time(value: float, name: str) -> str:
+    what = "NaN" if np.isnan(value) else f"not finite ({value})"
+    return f"time is {what} in column '{name}'"
+
+
+def _parse_float(array: pa.Array, name: str, checks: _Checks, what: str = "value") -> np.ndarray:
+    """Parse to float64; rows that are not numbers fail with `non-numeric <what>`."""
+    if pa.types.is_integer(array.type) or pa.types.is_floating(array.type):
+        values = pc.fill_null(pc.cast(array, pa.float64()), np.nan).to_numpy()
+        missing = array.is_null().to_numpy(zero_copy_only=False)
+        checks.fail(missing, lambda i: [f"missing {what} in column '{name}'"] * len(i))
+        return values
+    try:
+        return pc.cast(array, pa.float64()).to_numpy(zero_copy_only=False)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        pass
+    text = pc.utf8_trim_whitespace(pc.cast(array, pa.string()))
+    looks = pc.fill_null(pc.match_substring_regex(text, _FLOAT_RE), False)
+    cleaned = pc.if_else(looks, text, pa.scalar("nan"))
+    values = _cast_float_tolerant(cleaned)
+    bad = ~looks.to_numpy(zero_copy_only=False) | np.isnan(values) & ~_nan_text(text)
+    checks.fail(
+        bad, lambda i: [f"non-numeric {what} {v!r} in column '{name}'" for v in _values(array, i)]
+    )
+    return values
+
+
+def _nan_text(text: pa.Array) -> np.ndarray:
+    return pc.fill_null(pc.match_substring_regex(text, r"^[+-]?(?i:nan)$"), False).to_numpy(
+        zero_copy_only=False
+    )
+
+
+def _cast_float_tolerant(text: pa.Array) -> np.ndarray:
+    """Cast text that matched the number pattern; a string pyarrow still refuses becomes NaN."""
+    try:
+        return pc.cast(text, pa.float64()).to_numpy(zero_copy_only=False)
+    except pa.ArrowInvalid:
+        return np.array([_float_or_nan(s) for s in text.to_pylist()], dtype=np.float64)
+
+
+def _float_or_nan(text: str | None) -> float:
+    try:
+        return float(text)
+    except (TypeError, ValueError):
+        return float("nan")
+
+
+def _parse_features(chunk: RawChunk, checks: _Checks, feature_dim: int | None) -> np.ndarray | None:
+    names = chunk.feature_names
+    if not names:
+        return None
+    if len(names) == 1 and pa.types.is_list_like(chunk.columns[names[0]].type):
+        return _parse_list_features(chunk.columns[names[0]], names[0], checks, feature_dim)
+    columns = [_parse_float(chunk.columns[c], c, checks, what="feature") for c in names]
+    return np.stack(columns, axis=1).astype(np.float32)
+
+
+def _parse_list_features(
+    array: pa.Array, name: str, checks: _Checks, feature_dim: int | None
+) -> np.ndarray:
+    """Features stored as one list column (Parquet); every list must have the same width."""
+    lengths = pc.fill_null(pc.list_value_length(array), -1).to_numpy(zero_copy_only=False)
+    width = feature_dim if feature_dim is not None else int(lengths[lengths >= 0].max(initial=0))
+    bad = lengths != width
+    msg = "feature width mismatch: {} values in column '" + name + f"', expected {width}"
+    checks.fail(bad, lambda i: [msg.format(v) for v in lengths[i]])
+    fixed = pc.if_else(pa.array(bad), pa.scalar([0.0] * width, pa.list_(pa.float64())), array)
+    flat = pc.cast(pc.list_flatten(fixed), pa.float32()).to_numpy(zero_copy_only=False)
+    return flat.reshape(len(array), width)
+
+
+def _apply_rules(src: np.ndarray, dst: np.ndarray, rules: IdRules, checks: _Checks) -> np.ndarray:
+    if rules.src_bound is not None:
+        bound, bname = rules.src_bound, rules.src_bound_name
+        checks.fail(src >= bound, lambda i: [f"src id {v} >= {bname} {bound}" for v in src[i]])
+    dst = dst + rules.dst_offset if rules.dst_offset else dst
+    if rules.node_bound is not None:
+        nb = rules.node_bound
+        checks.fail(src >= nb, lambda i: [f"src id {v} >= num_nodes {nb}" for v in src[i]])
+        checks.fail(dst >= nb, lambda i: [f"dst id {v} >= num_nodes {nb}" for v in dst[i]])
+    return dst
