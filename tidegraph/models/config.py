@@ -1,0 +1,63 @@
+"""Model configuration and the factory that builds a model from it.
+
+`ModelConfig.num_layers` left at None takes the model's usual depth (TGN 1, TGAT 2, DySAT 1
+per snapshot, GraphSAGE 2); the run config checks it against the sampler's fanouts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tidegraph.models.base import TemporalModel
+from tidegraph.models.dysat import DySAT
+from tidegraph.models.sage import GraphSAGE
+from tidegraph.models.tgat import TGAT
+from tidegraph.models.tgn import TGN
+
+__all__ = ["MODELS", "ModelConfig", "build_model"]
+
+MODELS = ("tgn", "tgat", "dysat", "sage")
+DEFAULT_LAYERS = {"tgn": 1, "tgat": 2, "dysat": 1, "sage": 2}
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    name: str = "tgn"
+    dim: int = 100
+    time_dim: int = 100
+    memory_dim: int = 100
+    heads: int = 2
+    num_layers: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.name not in MODELS:
+            raise ValueError(f"model.name must be one of {MODELS}, got {self.name!r}")
+        for field in ("dim", "time_dim", "memory_dim", "heads"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"model.{field} must be >= 1, got {getattr(self, field)}")
+        if self.dim % self.heads:
+            raise ValueError(f"model.dim ({self.dim}) must be divisible by model.heads")
+        if self.num_layers is None:
+            self.num_layers = DEFAULT_LAYERS[self.name]
+        if self.num_layers < 1:
+            raise ValueError(f"model.num_layers must be >= 1, got {self.num_layers}")
+
+
+def build_model(
+    config: ModelConfig,
+    num_nodes: int,
+    edge_dim: int = 0,
+    num_snapshots: int = 1,
+    node_features=None,
+    node_feat_dim: int = 0,
+) -> TemporalModel:
+    """A fresh model; parameters come from torch's global generator (seed it first)."""
+    c = config
+    if c.name == "tgn":
+        return TGN(num_nodes, c.dim, c.memory_dim, c.time_dim, edge_dim, c.num_layers, c.heads)
+    nodes = dict(node_features=node_features, node_feat_dim=node_feat_dim)
+    if c.name == "tgat":
+        return TGAT(num_nodes, c.dim, c.time_dim, edge_dim, c.num_layers, c.heads, **nodes)
+    if c.name == "dysat":
+        return DySAT(num_nodes, num_snapshots, c.dim, c.num_layers, c.heads, **nodes)
+    return GraphSAGE(num_nodes, c.dim, c.num_layers, **nodes)

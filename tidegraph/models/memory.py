@@ -1,0 +1,127 @@
+"""TGN node memory (Rossi et al. 2020) with vectorized per-batch updates.
+
+State (buffers, so they are part of the owning model's `state_dict`):
+- `memory` [N, D] and `last_update` [N] (float64 times);
+- the pending raw message of each node: the other endpoint, time and edge features of the
+  node's latest observed event that is not folded into its memory yet (`has_msg` [N]).
+
+Flow per batch, as in TGN: `updated(ids)` folds each node's pending message into its memory
+with the message function and the GRU, differentiably and without side effects; `commit(ids,
+mem, last)` writes the (detached) result back and clears those messages; `observe(src, dst, t,
+feat)` stores the batch's events as the new pending messages, keeping per node only its latest
+event (last-message aggregator, by a scatter-amax over event positions, so duplicates never
+race). The message function is TGN's identity: [own memory, other's memory, phi(t - last
+update), edge features]. The node table grows with `grow(n)` as the stream brings new nodes.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tidegraph.models.time_encoding import TimeEncoder
+
+__all__ = ["TGNMemory"]
+
+
+class TGNMemory(nn.Module):
+    """Per-node memory with GRU updater, identity message function and last aggregator."""
+
+    def __init__(self, num_nodes: int, memory_dim: int, time_dim: int, edge_dim: int) -> None:
+        super().__init__()
+        self.memory_dim = memory_dim
+        self.edge_dim = edge_dim
+        self.time_enc = TimeEncoder(time_dim)
+        self.gru = nn.GRUCell(2 * memory_dim + time_dim + edge_dim, memory_dim)
+        self._alloc(num_nodes)
+
+    def _alloc(self, n: int, device: torch.device | None = None) -> None:
+        f64 = dict(dtype=torch.float64, device=device)
+        self.register_buffer("memory", torch.zeros(n, self.memory_dim, device=device))
+        self.register_buffer("last_update", torch.zeros(n, **f64))
+        self.register_buffer("has_msg", torch.zeros(n, dtype=torch.bool, device=device))
+        self.register_buffer("msg_other", torch.zeros(n, dtype=torch.int64, device=device))
+        self.register_buffer("msg_t", torch.zeros(n, **f64))
+        self.register_buffer("msg_feat", torch.zeros(n, self.edge_dim, device=device))
+
+    @property
+    def num_nodes(self) -> int:
+        return int(self.memory.shape[0])
+
+    def grow(self, num_nodes: int) -> None:
+        """Extend every per-node table to `num_nodes` rows (new rows empty)."""
+        extra = num_nodes - self.num_nodes
+        if extra <= 0:
+            return
+        for name in ("memory", "last_update", "has_msg", "msg_other", "msg_t", "msg_feat"):
+            old = getattr(self, name)
+            pad = old.new_zeros((extra,) + tuple(old.shape[1:]))
+            setattr(self, name, torch.cat([old, pad]))
+
+    def reset(self) -> None:
+        """Empty memory and messages (start of an epoch over the stream)."""
+        for name in ("memory", "last_update", "has_msg", "msg_other", "msg_t", "msg_feat"):
+            getattr(self, name).zero_()
+
+    # ---- per batch ------------------------------------------------------------------------
+
+    def updated(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(memory [n, D], last update [n]) of `ids` with pending messages folded in."""
+        mem = self.memory[ids]
+        last = self.last_update[ids]
+        pending = self.has_msg[ids]
+        other = self.msg_other[ids]
+        msg_t = self.msg_t[ids]
+        dt = (msg_t - last).float()
+        msg = torch.cat(
+            [mem, self.memory[other], self.time_enc(dt), self.msg_feat[ids].to(mem.dtype)], -1
+        )
+        new = self.gru(msg, mem)
+        keep = pending.unsqueeze(-1)
+        return torch.where(keep, new, mem), torch.where(pending, msg_t, last)
+
+    @torch.no_grad()
+    def commit(self, ids: torch.Tensor, mem: torch.Tensor, last: torch.Tensor) -> None:
+        """Write back what `updated(ids)` returned; `ids` must be unique."""
+        self.memory[ids] = mem.detach().to(self.memory.dtype)
+        self.last_update[ids] = last
+        self.has_msg[ids] = False
+
+    @torch.no_grad()
+    def observe(
+        self, src: torch.Tensor, dst: torch.Tensor, t: torch.Tensor, feat: torch.Tensor | None
+    ) -> None:
+        """Store each node's latest event of this batch (ties: the later row) as its message."""
+        # rows interleaved (event i -> rows 2i, 2i+1) and stably ordered by time, so that the
+        # latest event of a node is the one with the highest rank, ties going to the later row
+        node = torch.stack([src, dst], 1).flatten()
+        other = torch.stack([dst, src], 1).flatten()
+        times = t.to(torch.float64).repeat_interleave(2)
+        order = torch.argsort(times, stable=True)
+        rank = torch.empty_like(order)
+        rank[order] = torch.arange(order.shape[0], device=order.device)
+        uniq, inv = torch.unique(node, return_inverse=True)
+        best = torch.full_like(uniq, -1).scatter_reduce(0, inv, rank, "amax")
+        row = order[best]
+        self.has_msg[uniq] = True
+        self.msg_other[uniq] = other[row]
+        self.msg_t[uniq] = times[row]
+        if self.edge_dim:
+            self.msg_feat[uniq] = feat.to(self.msg_feat.dtype)[row // 2]
+
+    # ---- state ----------------------------------------------------------------------------
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """Copies of the node state (not the GRU weights), for snapshots and restores."""
+        names = ("memory", "last_update", "has_msg", "msg_other", "msg_t", "msg_feat")
+        return {k: getattr(self, k).clone() for k in names}
+
+    def load_state_tensors(self, state: dict[str, torch.Tensor]) -> None:
+        for k, v in state.items():
+            setattr(self, k, v.clone().to(getattr(self, k).device))
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        key = prefix + "memory"
+        if key in state_dict:
+            self.grow(state_dict[key].shape[0])
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)

@@ -1,0 +1,28 @@
+"""Functional time encoding (TGAT, Xu et al. 2020): phi(dt) = cos(dt * w + b).
+
+Frequencies start geometrically spaced from 1 to 1e-9 (GraphMixer's fixed init) so that both
+seconds and months are resolved; they stay trainable as in TGN. Inputs are time differences in
+float32 (the caller subtracts float64 times first, so large absolute times lose no precision).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["TimeEncoder"]
+
+
+class TimeEncoder(nn.Module):
+    """Maps time differences [...] to [..., dim] cosine features."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        if dim < 1:
+            raise ValueError(f"TimeEncoder: dim must be >= 1, got {dim}")
+        self.dim = dim
+        self.weight = nn.Parameter(1.0 / 10 ** torch.linspace(0, 9, dim))
+        self.bias = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, dt: torch.Tensor) -> torch.Tensor:
+        return torch.cos(dt.to(self.weight.dtype).unsqueeze(-1) * self.weight + self.bias)
