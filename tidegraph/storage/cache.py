@@ -102,6 +102,7 @@ class CachedFeatureStore(FeatureStore):
         self.enabled = self.config.resolved_enabled()
         self._tick = 0
         self._capacity = 0
+        self._used = 0  # slots at and after this one have never been filled since allocation
         self._id_to_slot = torch.full((0,), -1, dtype=torch.int64, device=self.device)
         self._allocate(0)
         self.reset_stats()
@@ -232,6 +233,7 @@ class CachedFeatureStore(FeatureStore):
             if getattr(self, "_" + name) is not None:
                 getattr(self, "_" + name)[:c] = state[name].to(self.device)
         self._capacity = c
+        self._used = c
         self._tick = state["tick"]
         self._stats = dict(state["stats"])
         self._rebuild_index()
@@ -286,14 +288,24 @@ class CachedFeatureStore(FeatureStore):
         if n <= 0:
             return
         pick = self._best_candidates(ids, counts, n)
-        keys = self._eviction_keys()
-        keys[protected] = _PROTECTED_KEY
-        victim_keys, victims = torch.topk(keys, n, largest=False, sorted=True)
+        victims, victim_keys = self._victims(n, protected)
         if self.config.policy == "recency" and not force:
             # candidates newest first against victims oldest first: the admitted form a prefix
             ok = (ids[pick] > victim_keys) | (victim_keys == _EMPTY_KEY)
             pick, victims, victim_keys = pick[ok], victims[ok], victim_keys[ok]
         self._place(ids[pick], counts[pick], _take(rows, pick), victims, victim_keys)
+
+    def _victims(self, n: int, protected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """n slots to fill, in eviction order, and their keys (never-filled slots first)."""
+        if self._used + n <= self._capacity:  # still filling up: no need to rank anything
+            victims = torch.arange(self._used, self._used + n, device=self.device)
+            self._used += n
+            return victims, torch.full_like(victims, _EMPTY_KEY)
+        keys = self._eviction_keys()
+        keys[protected] = _PROTECTED_KEY
+        victim_keys, victims = torch.topk(keys, n, largest=False, sorted=True)
+        self._used = self._capacity  # every never-filled slot ranks first, so all were taken
+        return victims, victim_keys
 
     def _best_candidates(self, ids: torch.Tensor, counts: torch.Tensor, n: int) -> torch.Tensor:
         """Positions of the n candidates to admit first: newest id (recency), else most
@@ -411,6 +423,7 @@ class CachedFeatureStore(FeatureStore):
             if value is not None:
                 getattr(self, "_" + name)[:target] = value
         self._capacity = target
+        self._used = target
         self._stats["evictions"] += gone
         self._rebuild_index()
 
@@ -418,6 +431,7 @@ class CachedFeatureStore(FeatureStore):
         ids = self._slot_ids[: self._capacity]
         self._id_to_slot[ids[ids >= 0]] = -1
         self._slot_ids.fill_(-1)
+        self._used = 0
 
     def _grow_index(self, size: int) -> None:
         if size <= self._id_to_slot.shape[0]:
