@@ -117,30 +117,17 @@ class EventReader:
         self.stats = LoadStats()
         window = self.config.window
         order = FullSorter() if window is None else Reorderer(window)
+        out = _Batcher(self.config.chunk_rows, self.stats)
         with _Quarantine(self.config.quarantine) as quarantine:
-            eid = 0
             for chunk in self._source.chunks():
                 self.stats.rows_read += len(chunk.lines) + _count(chunk.rejects)
                 rows, rejects = parse_chunk(chunk, self._rules, self.config.feature_dim)
                 self._reject(rejects, quarantine)
                 ready, late, bound = order.push(rows)
                 self._reject(self._late(rows, late, bound), quarantine)
-                for batch in self._batches(ready, eid):
-                    eid += len(batch)
-                    yield batch
-            for batch in self._batches(order.finish(), eid):
-                eid += len(batch)
-                yield batch
+                yield from out.push(ready)
+            yield from out.push(order.finish(), last=True)
         self._report()
-
-    def _batches(self, rows: Rows | None, eid: int) -> Iterator[EventBatch]:
-        if rows is None or len(rows) == 0:
-            return
-        step = self.config.chunk_rows
-        for start in range(0, len(rows), step):
-            part = rows.take(np.arange(start, min(start + step, len(rows))))
-            self.stats.rows_yielded += len(part)
-            yield _to_batch(part, eid + start)
 
     def _late(self, rows: Rows, late: np.ndarray, bound: np.ndarray) -> Rejects:
         if late.size == 0:
@@ -183,6 +170,33 @@ class EventReader:
                 ", ".join(f"{k}: {v}" for k, v in s.rejected_by_reason.most_common()),
                 self.config.quarantine,
             )
+
+
+class _Batcher:
+    """Cuts the stream of ready rows into batches of exactly `size` rows (the last may be short)."""
+
+    def __init__(self, size: int, stats: LoadStats) -> None:
+        self.size, self.stats = size, stats
+        self._carry: Rows | None = None
+        self._eid = 0
+
+    def push(self, rows: Rows | None, last: bool = False) -> Iterator[EventBatch]:
+        parts = [p for p in (self._carry, rows) if p is not None and len(p)]
+        self._carry = None
+        if not parts:
+            return
+        rows = parts[0] if len(parts) == 1 else Rows.cat(parts)
+        full = len(rows) if last else len(rows) - len(rows) % self.size
+        for start in range(0, full, self.size):
+            yield self._batch(rows.take(np.arange(start, min(start + self.size, full))))
+        if full < len(rows):
+            self._carry = rows.take(np.arange(full, len(rows)))
+
+    def _batch(self, rows: Rows) -> EventBatch:
+        batch = _to_batch(rows, self._eid)
+        self._eid += len(rows)
+        self.stats.rows_yielded += len(rows)
+        return batch
 
 
 def _count(rejects: Rejects | None) -> int:

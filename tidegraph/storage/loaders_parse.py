@@ -103,6 +103,7 @@ class RawChunk:
     feature_names: list[str]
     feat: np.ndarray | None = None
     rejects: Rejects | None = None
+    feature_width: int = 0
 
 
 class _Checks:
@@ -258,24 +259,32 @@ def _parse_features(chunk: RawChunk, checks: _Checks, feature_dim: int | None) -
     names = chunk.feature_names
     if not names:
         return None
-    if len(names) == 1 and pa.types.is_list_like(chunk.columns[names[0]].type):
-        return _parse_list_features(chunk.columns[names[0]], names[0], checks, feature_dim)
+    if len(names) == 1 and is_list(chunk.columns[names[0]].type):
+        width = chunk.feature_width if feature_dim is None else feature_dim
+        return _parse_list_features(chunk.columns[names[0]], names[0], checks, width)
     columns = [_parse_float(chunk.columns[c], c, checks, what="feature") for c in names]
     return np.stack(columns, axis=1).astype(np.float32)
 
 
-def _parse_list_features(
-    array: pa.Array, name: str, checks: _Checks, feature_dim: int | None
-) -> np.ndarray:
-    """Features stored as one list column (Parquet); every list must have the same width."""
+def is_list(type_: pa.DataType) -> bool:
+    return (
+        pa.types.is_list(type_)
+        or pa.types.is_large_list(type_)
+        or pa.types.is_fixed_size_list(type_)
+    )
+
+
+def _parse_list_features(array: pa.Array, name: str, checks: _Checks, width: int) -> np.ndarray:
+    """Features stored as one list column (Parquet); every list must have `width` values."""
     lengths = pc.fill_null(pc.list_value_length(array), -1).to_numpy(zero_copy_only=False)
-    width = feature_dim if feature_dim is not None else int(lengths[lengths >= 0].max(initial=0))
     bad = lengths != width
     msg = "feature width mismatch: {} values in column '" + name + f"', expected {width}"
     checks.fail(bad, lambda i: [msg.format(v) for v in lengths[i]])
-    fixed = pc.if_else(pa.array(bad), pa.scalar([0.0] * width, pa.list_(pa.float64())), array)
-    flat = pc.cast(pc.list_flatten(fixed), pa.float32()).to_numpy(zero_copy_only=False)
-    return flat.reshape(len(array), width)
+    good = np.flatnonzero(~bad)
+    out = np.zeros((len(array), width), dtype=np.float32)
+    flat = pc.list_flatten(array.take(pa.array(good)))
+    out[good] = pc.cast(flat, pa.float32()).to_numpy(zero_copy_only=False).reshape(-1, width)
+    return out
 
 
 def _apply_rules(src: np.ndarray, dst: np.ndarray, rules: IdRules, checks: _Checks) -> np.ndarray:

@@ -33,7 +33,7 @@ import pyarrow.parquet as pq
 import torch
 
 from tidegraph.storage.loaders_config import ColumnMap, LoaderConfig, LoaderError
-from tidegraph.storage.loaders_parse import IdRules, RawChunk, Rejects
+from tidegraph.storage.loaders_parse import IdRules, RawChunk, Rejects, is_list
 
 _PEEK_BYTES = 1 << 16
 _COMMENTS = ("#", "%")
@@ -221,7 +221,22 @@ class ParquetSource:
         columns = cfg.columns or _infer_columns(names, path, header_line=None)
         self.roles, self.features = _resolve(columns, names, path, header_line=None, unit="row")
         self.chunk_rows = cfg.chunk_rows
-        self.feature_dim = cfg.feature_dim
+        self.feature_width = cfg.feature_dim if cfg.feature_dim is not None else self._width()
+
+    def _width(self) -> int:
+        """Width of a list-typed feature column: from its type, else from the first row."""
+        if len(self.features) != 1 or not is_list(
+            self.file.schema_arrow.field(self.features[0]).type
+        ):
+            return len(self.features)
+        type_ = self.file.schema_arrow.field(self.features[0]).type
+        if pa.types.is_fixed_size_list(type_):
+            return type_.list_size
+        for batch in self.file.iter_batches(batch_size=1, columns=self.features):
+            lengths = pc.list_value_length(batch.column(0)).drop_null()
+            if len(lengths):
+                return lengths[0].as_py()
+        return 0
 
     def chunks(self) -> Iterator[RawChunk]:
         wanted = list(dict.fromkeys([*self.roles.values(), *self.features]))
@@ -231,7 +246,9 @@ class ParquetSource:
             start += batch.num_rows
             columns = {r: batch.column(c) for r, c in self.roles.items()}
             columns.update({c: batch.column(c) for c in self.features})
-            yield RawChunk(columns, dict(self.roles), lines, list(self.features))
+            chunk = RawChunk(columns, dict(self.roles), lines, list(self.features))
+            chunk.feature_width = self.feature_width
+            yield chunk
 
 
 class TglSource:

@@ -1,0 +1,371 @@
+"""Tests of the streaming event loaders on the bundled datasets and on small written files."""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import logging
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tidegraph.data import bundled_path
+from tidegraph.storage.events import EventBatch
+from tidegraph.storage.loaders import (
+    ColumnMap,
+    LoaderConfig,
+    LoaderError,
+    load_events,
+    open_events,
+    read_node_features,
+)
+
+
+def write(path: Path, text: str) -> Path:
+    if path.suffix == ".gz":
+        with gzip.open(path, "wt") as f:
+            f.write(text)
+    else:
+        path.write_text(text)
+    return path
+
+
+def assert_same(a: EventBatch, b: EventBatch) -> None:
+    for name in ("src", "dst", "t", "eid", "edge_feat", "label"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert (x is None) == (y is None), name
+        if x is not None:
+            assert torch.equal(x, y), name
+
+
+def assert_stream_ok(batch: EventBatch) -> None:
+    assert torch.equal(batch.eid, torch.arange(len(batch)))
+    assert bool((batch.t[1:] >= batch.t[:-1]).all())
+
+
+# ----------------------------------------------------------------------------- bundled data
+
+
+@pytest.fixture(scope="module")
+def wikipedia() -> EventBatch:
+    return load_events(bundled_path("wikipedia"))
+
+
+def test_wikipedia_bundled(wikipedia: EventBatch) -> None:
+    assert len(wikipedia) == 157_474
+    nodes = torch.unique(torch.cat([wikipedia.src, wikipedia.dst]))
+    assert len(nodes) == 9_227 and nodes.min() == 0 and nodes.max() == 9_226
+    assert wikipedia.src.max() == 8_226 and wikipedia.dst.min() == 8_227
+    assert wikipedia.label is not None and wikipedia.label.sum() == 217
+    assert wikipedia.edge_feat is None
+    assert wikipedia.t[0] == 0 and wikipedia.t[-1] == 2_678_373
+    assert_stream_ok(wikipedia)
+
+
+def test_uci_bundled() -> None:
+    batch = load_events(bundled_path("uci"))
+    assert len(batch) == 59_835
+    nodes = torch.unique(torch.cat([batch.src, batch.dst]))
+    assert len(nodes) == 1_899 and nodes.min() == 1 and nodes.max() == 1_899
+    assert batch.t[0] == 1_082_040_961 and batch.t[-1] == 1_098_777_142
+    assert batch.label is None and batch.edge_feat is None
+    assert_stream_ok(batch)
+
+
+def test_wikipedia_chunked_reading_is_identical(wikipedia: EventBatch) -> None:
+    reader = open_events(bundled_path("wikipedia"), chunk_rows=5_000)
+    batches = list(reader)
+    assert len(batches) == 32 and max(len(b) for b in batches) == 5_000
+    assert_same(EventBatch.cat(batches), wikipedia)
+    assert reader.stats.rows_read == reader.stats.rows_yielded == 157_474
+    windowed = load_events(bundled_path("wikipedia"), chunk_rows=20_000, sort=True)
+    assert_same(windowed, wikipedia)
+
+
+def test_bundled_path_names() -> None:
+    assert bundled_path("UCI") == bundled_path("collegemsg")
+    with pytest.raises(KeyError, match="wikipedia"):
+        bundled_path("reddit")
+
+
+# ----------------------------------------------------------------------------- formats
+
+
+def test_jodie_with_features_shifts_items(tmp_path: Path) -> None:
+    text = (
+        "user_id,item_id,timestamp,state_label,comma_separated_list_of_features\n"
+        "0,0,1.0,0,0.1,0.2,0.3\n"
+        "2,1,2.0,1,1.1,1.2,1.3\n"
+        "1,0,2.5,0,2.1,2.2,2.3\n"
+    )
+    path = write(tmp_path / "jodie.csv", text)
+    batch = load_events(path)  # auto: the header names JODIE
+    assert batch.src.tolist() == [0, 2, 1]
+    assert batch.dst.tolist() == [3, 4, 3]  # items shifted past max user id 2
+    assert batch.label.tolist() == [0, 1, 0]
+    assert batch.edge_feat.dtype == torch.float32 and batch.edge_feat.shape == (3, 3)
+    assert torch.allclose(batch.edge_feat[1], torch.tensor([1.1, 1.2, 1.3]))
+    assert load_events(path, "jodie", num_users=10).dst.tolist() == [10, 11, 10]
+
+
+def test_jodie_user_beyond_num_users_is_rejected(tmp_path: Path) -> None:
+    path = write(tmp_path / "j.csv", "user_id,item_id,timestamp,state_label\n0,0,1,0\n5,0,2,0\n")
+    with pytest.raises(LoaderError, match=r"j\.csv: line 3: src id 5 >= num_users 3"):
+        load_events(path, num_users=3)
+
+
+def make_tgl(directory: Path, times: list[float], extra_feature_rows: int = 0) -> torch.Tensor:
+    directory.mkdir()
+    lines = [",src,dst,time,int_roll,ext_roll"]
+    for i, t in enumerate(times):
+        lines.append(f"{i},{i % 3},{3 + i % 2},{t},0,{int(i > 2)}")
+    write(directory / "edges.csv", "\n".join(lines) + "\n")
+    feats = torch.arange((len(times) + extra_feature_rows) * 2, dtype=torch.float64).view(-1, 2)
+    torch.save(feats, directory / "edge_features.pt")
+    torch.save(torch.ones(5, 4), directory / "node_features.pt")
+    return feats
+
+
+def test_tgl_layout_with_edge_features(tmp_path: Path) -> None:
+    feats = make_tgl(tmp_path / "tgl", [1, 2, 2, 5, 7])
+    reader = open_events(tmp_path / "tgl", chunk_rows=2)
+    batch = EventBatch.cat(list(reader))
+    assert reader.format == "tgl"
+    assert batch.src.tolist() == [0, 1, 2, 0, 1] and batch.dst.tolist() == [3, 4, 3, 4, 3]
+    assert torch.equal(batch.edge_feat, feats.float())
+    assert torch.equal(reader.node_features(), torch.ones(5, 4))
+    assert torch.equal(read_node_features(tmp_path / "tgl"), torch.ones(5, 4))
+
+
+def test_tgl_features_follow_rows_when_sorted(tmp_path: Path) -> None:
+    feats = make_tgl(tmp_path / "tgl", [3, 1, 2, 5, 4])
+    batch = load_events(tmp_path / "tgl", sort=True, chunk_rows=2)
+    order = [1, 2, 0, 4, 3]
+    assert batch.t.tolist() == [1, 2, 3, 4, 5]
+    assert torch.equal(batch.edge_feat, feats[order].float())
+
+
+def test_tgl_feature_rows_must_match_edges(tmp_path: Path) -> None:
+    make_tgl(tmp_path / "tgl", [1, 2, 3], extra_feature_rows=1)
+    with pytest.raises(LoaderError, match=r"edge_features\.pt: has 4 rows, edges\.csv has 3"):
+        load_events(tmp_path / "tgl")
+    with pytest.raises(LoaderError, match="feature width mismatch: 2 features, expected 3"):
+        load_events(tmp_path / "tgl", feature_dim=3)
+
+
+def test_snap_edge_list_with_comments_and_tabs(tmp_path: Path) -> None:
+    text = "# Directed graph\n# FromNodeId\tToNodeId\tTime\n1\t2\t10\n2\t3\t11\n3\t1\t11\n"
+    path = write(tmp_path / "snap.txt.gz", text)
+    batch = load_events(path)
+    assert batch.src.tolist() == [1, 2, 3] and batch.dst.tolist() == [2, 3, 1]
+    assert batch.t.tolist() == [10, 11, 11]
+    bad = write(tmp_path / "bad.txt", "# c\n1 2 10\n2 3 x\n")
+    with pytest.raises(LoaderError, match=r"bad\.txt: line 3: non-numeric time 'x'"):
+        load_events(bad)
+
+
+def test_parquet_with_list_features(tmp_path: Path) -> None:
+    table = pa.table(
+        {
+            "a": pa.array([5, 6, 7], pa.int32()),
+            "b": pa.array([1, 2, 3], pa.int64()),
+            "when": [0.5, 1.5, 1.5],
+            "y": [0, 1, 0],
+            "x": pa.array([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]),
+            "other": ["p", "q", "r"],
+        }
+    )
+    pq.write_table(table, tmp_path / "e.parquet", row_group_size=2)
+    columns = ColumnMap(src="a", dst="b", time="when", label="y", features="x")
+    batch = load_events(tmp_path / "e.parquet", columns=columns, chunk_rows=1)
+    assert batch.src.tolist() == [5, 6, 7] and batch.dst.tolist() == [1, 2, 3]
+    assert batch.t.tolist() == [0.5, 1.5, 1.5] and batch.label.tolist() == [0, 1, 0]
+    assert batch.edge_feat.tolist() == [[1, 2], [3, 4], [5, 6]]
+
+
+def test_parquet_bad_rows_name_the_row(tmp_path: Path) -> None:
+    table = pa.table({"src": [1, -2, 3], "dst": [1, 2, 3], "time": [1.0, 2.0, 3.0]})
+    pq.write_table(table, tmp_path / "e.parquet")
+    with pytest.raises(LoaderError, match=r"e\.parquet: row 2: negative id -2 in column 'src'"):
+        load_events(tmp_path / "e.parquet")
+    ragged = pa.table({"src": [1, 2], "dst": [1, 2], "time": [1.0, 2.0], "f": [[1.0], [1.0, 2.0]]})
+    pq.write_table(ragged, tmp_path / "r.parquet")
+    with pytest.raises(LoaderError, match=r"r\.parquet: row 1: feature width mismatch: 1 values"):
+        load_events(tmp_path / "r.parquet", columns=ColumnMap(features="f"), feature_dim=2)
+
+
+def bitcoin_file(tmp_path: Path) -> tuple[Path, np.ndarray]:
+    rng = np.random.default_rng(3)
+    n = 200
+    base = np.arange(n) * 10 + 1_400_000_000
+    times = base + rng.integers(-40, 40, n)  # unsorted, each row at most a few rows out of place
+    rows = [
+        f"{rng.integers(1, 50)},{rng.integers(1, 50)},{rng.integers(-10, 11)},{t}" for t in times
+    ]
+    path = write(tmp_path / "bitcoin.csv", "SOURCE,TARGET,RATING,TIME\n" + "\n".join(rows) + "\n")
+    return path, times
+
+
+def test_bitcoin_style_unsorted_with_extra_columns(tmp_path: Path) -> None:
+    path, times = bitcoin_file(tmp_path)
+    order = np.argsort(times, kind="stable")
+    for sort in (True, "full"):
+        batch = load_events(path, sort=sort, reorder_window=16, chunk_rows=7)
+        assert batch.t.tolist() == times[order].astype(float).tolist()
+        assert_stream_ok(batch)
+    first_drop = int(np.flatnonzero(np.diff(times) < 0)[0]) + 3  # header is line 1
+    with pytest.raises(LoaderError, match=rf"bitcoin\.csv: line {first_drop}: time decreases"):
+        load_events(path)
+
+
+def test_gzip_csv_and_explicit_columns(tmp_path: Path) -> None:
+    path = write(tmp_path / "e.csv.gz", "x,from,to,when\n9,1,2,3\n9,2,1,4\n")
+    columns = ColumnMap(src="from", dst="to", time=3)
+    batch = load_events(path, columns=columns)
+    assert batch.src.tolist() == [1, 2] and batch.t.tolist() == [3, 4]
+
+
+# ----------------------------------------------------------------------------- chunking
+
+
+def test_small_file_identical_for_every_chunk_size(tmp_path: Path) -> None:
+    path, _ = bitcoin_file(tmp_path)
+    reference = load_events(path, sort="full")
+    for chunk_rows in (1, 2, 3, 7, 64, 199, 200, 201, 10_000):
+        got = load_events(path, sort=True, reorder_window=16, chunk_rows=chunk_rows)
+        assert_same(got, reference)
+
+
+def reference_window(times: list[int], window: int) -> tuple[list[int], list[int]]:
+    """Row by row: the late rows, and the others' arrival indices stably sorted by time."""
+    late, kept = [], []
+    for i, t in enumerate(times):
+        bound = max(times[: max(i - window, 0)], default=None)
+        (late if bound is not None and t < bound else kept).append(i)
+    return late, sorted(kept, key=lambda i: times[i])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    times=st.lists(st.integers(0, 30), min_size=1, max_size=60),
+    window=st.integers(0, 8),
+    chunk_rows=st.integers(1, 20),
+)
+def test_reorder_window_matches_row_by_row_rule(
+    tmp_path_factory: pytest.TempPathFactory, times: list[int], window: int, chunk_rows: int
+) -> None:
+    path = tmp_path_factory.mktemp("w") / "e.csv"
+    write(path, "src,dst,time\n" + "".join(f"{i},{i},{t}\n" for i, t in enumerate(times)))
+    quarantine = path.with_name("q.csv")
+    sort = window > 0
+    reader = open_events(
+        path, sort=sort, reorder_window=max(window, 1), chunk_rows=chunk_rows, quarantine=quarantine
+    )
+    got = load_events(path, config=reader.config)
+    late, kept = reference_window(times, window if sort else 0)
+    assert got.src.tolist() == kept
+    rejected = list(csv.DictReader(quarantine.open()))
+    assert [int(r["line"]) - 2 for r in rejected] == late
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+BAD_CASES = [
+    ("1,2,abc", {}, "line 3: non-numeric time 'abc' in column 'time'"),
+    ("1,2,nan", {}, "line 3: time is NaN in column 'time'"),
+    ("1,2,", {}, "line 3: non-numeric time '' in column 'time'"),
+    ("-1,2,5", {}, "line 3: negative id -1 in column 'src'"),
+    ("1,2.5,5", {}, "line 3: non-integer id '2.5' in column 'dst'"),
+    ("1,x,5", {}, "line 3: non-numeric id 'x' in column 'dst'"),
+    ("1,2,5,7", {}, "line 3: row has 4 fields, expected 3"),
+    ("1,2", {}, "line 3: row has 2 fields, expected 3"),
+    ("1,2,0", {}, "line 3: time decreases"),
+    ("1,20,5", {"num_nodes": 10}, "line 3: dst id 20 >= num_nodes 10"),
+]
+
+
+@pytest.mark.parametrize(("row", "options", "message"), BAD_CASES)
+def test_bad_row_names_file_line_and_reason(
+    tmp_path: Path, row: str, options: dict, message: str
+) -> None:
+    path = write(tmp_path / "events.csv", f"src,dst,time\n0,1,1\n{row}\n3,4,9\n")
+    with pytest.raises(LoaderError) as info:
+        load_events(path, **options)
+    assert str(info.value).startswith(f"{path}: {message}")
+    assert info.value.line == 3
+    quarantine = tmp_path / "q.csv"
+    batch = load_events(path, quarantine=quarantine, **options)
+    assert batch.src.tolist() == [0, 3]  # the valid rows, none dropped
+    rows = list(csv.DictReader(quarantine.open()))
+    assert (
+        len(rows) == 1 and rows[0]["line"] == "3" and message.split(": ", 1)[1] in rows[0]["reason"]
+    )
+
+
+def test_missing_column_names_the_header(tmp_path: Path) -> None:
+    path = write(tmp_path / "e.csv", "u,i,timestamp\n1,2,3\n")
+    with pytest.raises(LoaderError, match=r"e\.csv: line 1: missing column 'ts'"):
+        load_events(path, columns=ColumnMap(src="u", dst="i", time="ts"))
+    with pytest.raises(LoaderError, match=r"e\.csv: line 1: missing column at position 5"):
+        load_events(path, columns=ColumnMap(src="u", dst="i", time=5))
+    odd = write(tmp_path / "odd.csv", "a,b,c\n1,2,3\n")
+    with pytest.raises(LoaderError, match="cannot find a src column"):
+        load_events(odd)
+
+
+def test_feature_width_mismatch(tmp_path: Path) -> None:
+    text = "user_id,item_id,timestamp,state_label,features\n0,0,1,0,0.5,0.5\n1,0,2,0,0.5\n"
+    path = write(tmp_path / "j.csv", text)
+    with pytest.raises(
+        LoaderError, match=r"j\.csv: line 3: row has 5 fields, expected 6 \(feature"
+    ):
+        load_events(path)
+    with pytest.raises(LoaderError, match=r"j\.csv: line 2: feature width mismatch: 2 feature"):
+        load_events(path, feature_dim=3)
+
+
+def test_late_event_beyond_window(tmp_path: Path) -> None:
+    path = write(tmp_path / "e.csv", "src,dst,time\n0,0,5\n0,0,6\n0,0,7\n0,0,4\n")
+    assert load_events(path, sort=True, reorder_window=3).t.tolist() == [4, 5, 6, 7]
+    with pytest.raises(LoaderError, match=r"line 5: event is too late for reorder_window=2"):
+        load_events(path, sort=True, reorder_window=2)
+
+
+def test_quarantine_counts_logs_and_keeps_valid_rows(tmp_path: Path, caplog) -> None:
+    rows = ["0,1,1", "x,1,2", "0,1,nan", "2,3,3", "4,5", "1,1,0", "5,6,7"]
+    path = write(tmp_path / "e.csv", "src,dst,time\n" + "\n".join(rows) + "\n")
+    quarantine = tmp_path / "out" / "q.csv"
+    reader = open_events(path, quarantine=quarantine, chunk_rows=2)
+    with caplog.at_level(logging.WARNING, logger="tidegraph.storage.loaders"):
+        batch = EventBatch.cat(list(reader))
+    assert batch.src.tolist() == [0, 2, 5] and batch.eid.tolist() == [0, 1, 2]
+    assert reader.stats.rows_read == 7 and reader.stats.rows_yielded == 3
+    assert reader.stats.rows_rejected == 4
+    assert sum(reader.stats.rejected_by_reason.values()) == 4
+    written = list(csv.DictReader(quarantine.open()))
+    assert sorted(int(r["line"]) for r in written) == [3, 4, 6, 7]
+    assert {r["line"]: r["text"] for r in written}["6"] == "4,5"
+    assert "rejected 4 of 7 rows" in caplog.text
+
+
+def test_config_validation_names_the_field() -> None:
+    with pytest.raises(ValueError, match="LoaderConfig.chunk_rows"):
+        LoaderConfig(chunk_rows=0)
+    with pytest.raises(ValueError, match="LoaderConfig.sort"):
+        LoaderConfig(sort="sometimes")
+    with pytest.raises(ValueError, match="LoaderConfig.format"):
+        LoaderConfig(format="xml")
+    with pytest.raises(ValueError, match="ColumnMap.src"):
+        ColumnMap(src=-1)
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(LoaderError, match="no such file"):
+        open_events(tmp_path / "nope.csv")
