@@ -231,6 +231,20 @@ def test_gzip_csv_and_explicit_columns(tmp_path: Path) -> None:
     assert batch.src.tolist() == [1, 2] and batch.t.tolist() == [3, 4]
 
 
+def test_integral_float_ids_are_accepted(tmp_path: Path) -> None:
+    path = write(tmp_path / "e.csv", "src,dst,time\n3.0,1e3,1\n +4 ,5,2.5\n")
+    batch = load_events(path)
+    assert batch.src.tolist() == [3, 4] and batch.dst.tolist() == [1000, 5]
+
+
+def test_reader_iterates_twice_the_same(tmp_path: Path) -> None:
+    path = write(tmp_path / "e.csv", "src,dst,time\n0,1,1\n1,2\n2,3,3\n")
+    reader = open_events(path, quarantine=tmp_path / "q.csv", chunk_rows=1)
+    first, second = EventBatch.cat(list(reader)), EventBatch.cat(list(reader))
+    assert_same(first, second)
+    assert reader.stats.rows_rejected == 1 and reader.stats.rows_read == 3
+
+
 # ----------------------------------------------------------------------------- chunking
 
 

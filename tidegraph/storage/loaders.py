@@ -188,9 +188,9 @@ class _Batcher:
         rows = parts[0] if len(parts) == 1 else Rows.cat(parts)
         full = len(rows) if last else len(rows) - len(rows) % self.size
         for start in range(0, full, self.size):
-            yield self._batch(rows.take(np.arange(start, min(start + self.size, full))))
+            yield self._batch(rows.take(slice(start, min(start + self.size, full))))
         if full < len(rows):
-            self._carry = rows.take(np.arange(full, len(rows)))
+            self._carry = rows.take(slice(full, len(rows)))
 
     def _batch(self, rows: Rows) -> EventBatch:
         batch = _to_batch(rows, self._eid)
@@ -217,7 +217,7 @@ def _to_batch(rows: Rows, first_eid: int) -> EventBatch:
         src=torch.from_numpy(np.ascontiguousarray(rows.src, dtype=np.int64)),
         dst=torch.from_numpy(np.ascontiguousarray(rows.dst, dtype=np.int64)),
         t=torch.from_numpy(np.ascontiguousarray(rows.t, dtype=np.float64)),
-        eid=torch.arange(first_eid, first_eid + n, dtype=torch.int64),
+        eid=torch.from_numpy(np.arange(first_eid, first_eid + n, dtype=np.int64)),
         edge_feat=None if rows.feat is None else torch.from_numpy(_f32(rows.feat)),
         label=None if rows.label is None else torch.from_numpy(_f32(rows.label)),
     )

@@ -66,10 +66,11 @@ class Reorderer:
 
     def _emit(self, rows: Rows) -> Rows:
         merged = rows if self._buffer is None else Rows.cat([self._buffer, rows])
-        merged = merged.take(np.argsort(merged.t, kind="stable"))
+        if not bool(np.all(merged.t[1:] >= merged.t[:-1])):  # sorted input skips the sort
+            merged = merged.take(np.argsort(merged.t, kind="stable"))
         cut = int(np.searchsorted(merged.t, self._threshold(), side="right"))
-        self._buffer = merged.take(np.arange(cut, len(merged)))
-        return merged.take(np.arange(cut))
+        self._buffer = merged.take(slice(cut, None))
+        return merged.take(slice(0, cut))
 
 
 class FullSorter:

@@ -64,7 +64,7 @@ class Rows:
     def __len__(self) -> int:
         return int(self.src.shape[0])
 
-    def take(self, index: np.ndarray) -> Rows:
+    def take(self, index: np.ndarray | slice) -> Rows:
         return Rows(
             src=self.src[index],
             dst=self.dst[index],

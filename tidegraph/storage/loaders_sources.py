@@ -122,12 +122,16 @@ class CsvSource:
         self.chunk_rows, self.block_size, self.width_note = chunk_rows, block_size, width_note
         header = 0 if column_names is not None else 1
         self.first_data_line = skip_rows + header + 1
+        self._reset()
+
+    def _reset(self) -> None:
         self._skipped: list[int] = []  # data ordinals of structurally bad rows, ascending
         self._adjusted: list[int] = []  # skipped ordinal minus the number skipped before it
         self._pending: list[tuple[int, str, str]] = []
         self._read = 0  # rows returned by pyarrow so far
 
     def chunks(self) -> Iterator[RawChunk]:
+        self._reset()
         reader = self._open()
         try:
             for batch in _guarded(reader, self.path):
