@@ -76,6 +76,9 @@ class TemporalModel(nn.Module):
     def commit(self, events: EventBatch | None) -> None:
         """Fold the last forward pass's state in and record `events` (None: record none)."""
 
+    def discard(self) -> None:
+        """Drop the last forward pass's state without folding it in (evaluation-only passes)."""
+
     def reset_state(self) -> None:
         """Forget all node state (start of a pass over the stream from its beginning)."""
 

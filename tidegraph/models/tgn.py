@@ -73,6 +73,9 @@ class TGN(TemporalModel):
                 feat = edge_features(self.edge_store, self.edge_dim, events.eid, self.memory.memory)
             self.memory.observe(events.src, events.dst, events.t, feat)
 
+    def discard(self) -> None:
+        self._stash = None
+
     def reset_state(self) -> None:
         self._stash = None
         self.memory.reset()

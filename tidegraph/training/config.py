@@ -1,0 +1,204 @@
+"""Run configuration: one kw-only dataclass per component, composed into `RunConfig`.
+
+Each `__post_init__` checks its own fields and names the field to fix; `RunConfig` checks the
+fields that depend on each other (the sampler's fanouts against the model's layers). A YAML
+file maps onto `RunConfig` with `RunConfig.from_dict(yaml.safe_load(...))`, sections named like
+the fields (`model`, `data`, `sampler`, `train`, `continual`); unknown keys are errors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from tidegraph.models.config import ModelConfig
+
+__all__ = [
+    "ContinualConfig",
+    "DataConfig",
+    "RunConfig",
+    "SamplerConfig",
+    "TrainConfig",
+]
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    dataset: str = "wikipedia"
+    max_events: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_events is not None and self.max_events < 10:
+            raise ValueError(f"data.max_events must be >= 10 or None, got {self.max_events}")
+
+
+@dataclass(kw_only=True)
+class SamplerConfig:
+    fanouts: list[int] | None = None  # None: [10] per model layer
+    strategy: str = "recent"
+    num_snapshots: int | None = None  # None: 3 for dysat, 1 otherwise
+    snapshot_window: float = 86400.0  # seconds per snapshot window (dysat)
+
+    def __post_init__(self) -> None:
+        if self.strategy not in ("recent", "uniform"):
+            raise ValueError(
+                f"sampler.strategy must be 'recent' or 'uniform', got {self.strategy!r}"
+            )
+        if self.fanouts is not None:
+            if not self.fanouts or any(int(k) != k or k < 1 for k in self.fanouts):
+                raise ValueError(
+                    f"sampler.fanouts must be positive integers, got {self.fanouts}"
+                )
+            self.fanouts = [int(k) for k in self.fanouts]
+        if self.num_snapshots is not None and self.num_snapshots < 1:
+            raise ValueError(f"sampler.num_snapshots must be >= 1, got {self.num_snapshots}")
+        if self.snapshot_window <= 0:
+            raise ValueError(f"sampler.snapshot_window must be > 0, got {self.snapshot_window}")
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    batch_size: int = 200
+    lr: float = 1e-4
+    epochs: int = 3  # phase 1 (continual) or the whole run (offline)
+    train_negatives: int = 1
+    eval_negatives: int = 20  # per positive, for MRR; AP and AUC use the first one
+    eval_max_roots: int = 8192  # evaluation batches are cut so one forward has at most this
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "epochs", "train_negatives", "eval_negatives"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        if not self.lr > 0:
+            raise ValueError(f"train.lr must be > 0, got {self.lr}")
+        if self.eval_max_roots < 3:
+            raise ValueError(f"train.eval_max_roots must be >= 3, got {self.eval_max_roots}")
+
+
+@dataclass(kw_only=True)
+class ContinualConfig:
+    train_fraction: float = 0.3  # phase 1: the first part of the stream
+    val_fraction: float = 0.15  # of phase 1, its last part, used for validation
+    num_increments: int | None = 10  # equal-count increments over the rest ...
+    increment_events: int | None = None  # ... or a fixed number of events each ...
+    increment_window: float | None = None  # ... or a time window each (e.g. 86400 = a day)
+    replay_ratio: float = 0.5  # replayed old events per new event, in [0, 1]
+    replay: str = "uniform"  # or "importance"
+    importance_floor: float = 0.1
+    retrain_epochs: int = 1
+    fresh_optimizer: bool = False
+    forget_sample: int = 1000  # old events evaluated after each step (forgetting)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.train_fraction < 1:
+            raise ValueError(
+                f"continual.train_fraction must be in (0, 1), got {self.train_fraction}"
+            )
+        if not 0 <= self.val_fraction < 1:
+            raise ValueError(f"continual.val_fraction must be in [0, 1), got {self.val_fraction}")
+        if not 0 <= self.replay_ratio <= 1:
+            raise ValueError(f"continual.replay_ratio must be in [0, 1], got {self.replay_ratio}")
+        if self.replay not in ("uniform", "importance"):
+            raise ValueError(
+                f"continual.replay must be 'uniform' or 'importance', got {self.replay!r}"
+            )
+        if not 0 < self.importance_floor <= 1:
+            raise ValueError(
+                f"continual.importance_floor must be in (0, 1], got {self.importance_floor}"
+            )
+        given = [
+            n
+            for n in ("increment_events", "increment_window")
+            if getattr(self, n) is not None
+        ]
+        if len(given) > 1:
+            raise ValueError("continual: give increment_events or increment_window, not both")
+        if given:
+            self.num_increments = None
+        elif self.num_increments is None or self.num_increments < 1:
+            raise ValueError(
+                f"continual.num_increments must be >= 1, got {self.num_increments}"
+            )
+        for name in ("increment_events", "increment_window"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"continual.{name} must be > 0, got {value}")
+        if self.retrain_epochs < 0:
+            raise ValueError(f"continual.retrain_epochs must be >= 0, got {self.retrain_epochs}")
+        if self.forget_sample < 0:
+            raise ValueError(f"continual.forget_sample must be >= 0, got {self.forget_sample}")
+
+
+_SECTIONS = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "sampler": SamplerConfig,
+    "train": TrainConfig,
+    "continual": ContinualConfig,
+}
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    continual: ContinualConfig = field(default_factory=ContinualConfig)
+    mode: str = "continual"  # or "offline" (70/15/15 by time)
+    offline_split: tuple[float, float] = (0.70, 0.15)  # train, validation; the rest is test
+    seed: int = 0
+    device: str = "cpu"
+    graph_device: str | None = None  # where the graph lives and sampling runs; None: device
+    out_dir: str | None = "runs/latest"
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("continual", "offline"):
+            raise ValueError(f"mode must be 'continual' or 'offline', got {self.mode!r}")
+        a, b = self.offline_split
+        if not (0 < a and 0 <= b and a + b < 1):
+            raise ValueError(f"offline_split must be (train, val) with train + val < 1, got {a, b}")
+        if self.graph_device is None:
+            self.graph_device = self.device
+        layers = self.model.num_layers
+        if self.sampler.fanouts is None:
+            self.sampler.fanouts = [10] * layers
+        elif len(self.sampler.fanouts) != layers:
+            raise ValueError(
+                f"sampler.fanouts has {len(self.sampler.fanouts)} entries but model "
+                f"{self.model.name!r} has num_layers={layers}: give one fanout per layer"
+            )
+        if self.sampler.num_snapshots is None:
+            self.sampler.num_snapshots = 3 if self.model.name == "dysat" else 1
+        if self.model.name != "dysat" and self.sampler.num_snapshots != 1:
+            raise ValueError(
+                f"sampler.num_snapshots must be 1 for model {self.model.name!r} "
+                "(only dysat uses snapshots)"
+            )
+
+    @staticmethod
+    def from_dict(raw: dict) -> RunConfig:
+        raw = dict(raw or {})
+        kwargs = {}
+        for name, cls in _SECTIONS.items():
+            section = raw.pop(name, None) or {}
+            kwargs[name] = _build(cls, section, name)
+        top = {f.name for f in dataclasses.fields(RunConfig)} - set(_SECTIONS)
+        unknown = sorted(set(raw) - top)
+        if unknown:
+            raise ValueError(f"RunConfig: unknown top-level keys {unknown}")
+        if "offline_split" in raw:
+            raw["offline_split"] = tuple(raw["offline_split"])
+        return RunConfig(**kwargs, **raw)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _build(cls, section: dict, name: str):
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(section) - known)
+    if unknown:
+        raise ValueError(f"{name}: unknown keys {unknown}; known: {sorted(known)}")
+    return cls(**section)
