@@ -116,7 +116,9 @@ def test_jodie_with_features_shifts_items(tmp_path: Path) -> None:
 
 def test_jodie_user_beyond_num_users_is_rejected(tmp_path: Path) -> None:
     path = write(tmp_path / "j.csv", "user_id,item_id,timestamp,state_label\n0,0,1,0\n5,0,2,0\n")
-    with pytest.raises(LoaderError, match=r"j\.csv: line 3: src id 5 >= num_users 3"):
+    with pytest.raises(
+        LoaderError, match=r"j\.csv: line 3: id out of range: src id 5 >= num_users 3"
+    ):
         load_events(path, num_users=3)
 
 
@@ -166,7 +168,7 @@ def test_snap_edge_list_with_comments_and_tabs(tmp_path: Path) -> None:
     assert batch.src.tolist() == [1, 2, 3] and batch.dst.tolist() == [2, 3, 1]
     assert batch.t.tolist() == [10, 11, 11]
     bad = write(tmp_path / "bad.txt", "# c\n1 2 10\n2 3 x\n")
-    with pytest.raises(LoaderError, match=r"bad\.txt: line 3: non-numeric time 'x'"):
+    with pytest.raises(LoaderError, match=r"bad\.txt: line 3: non-numeric time: 'x'"):
         load_events(bad)
 
 
@@ -192,7 +194,7 @@ def test_parquet_with_list_features(tmp_path: Path) -> None:
 def test_parquet_bad_rows_name_the_row(tmp_path: Path) -> None:
     table = pa.table({"src": [1, -2, 3], "dst": [1, 2, 3], "time": [1.0, 2.0, 3.0]})
     pq.write_table(table, tmp_path / "e.parquet")
-    with pytest.raises(LoaderError, match=r"e\.parquet: row 2: negative id -2 in column 'src'"):
+    with pytest.raises(LoaderError, match=r"e\.parquet: row 2: negative id: -2 in column 'src'"):
         load_events(tmp_path / "e.parquet")
     ragged = pa.table({"src": [1, 2], "dst": [1, 2], "time": [1.0, 2.0], "f": [[1.0], [1.0, 2.0]]})
     pq.write_table(ragged, tmp_path / "r.parquet")
@@ -256,6 +258,25 @@ def test_small_file_identical_for_every_chunk_size(tmp_path: Path) -> None:
         assert_same(got, reference)
 
 
+def test_invalid_rows_deep_in_a_file_keep_line_numbers(tmp_path: Path) -> None:
+    n, bad = 20_000, {15_000: "1,2", 19_000: "1,2,3,4", 19_999: "7"}
+    rows = [bad.get(i, f"{i},{i + 1},{i}") for i in range(n)]
+    path = write(tmp_path / "big.csv", "src,dst,time\n" + "\n".join(rows) + "\n")
+    quarantine = tmp_path / "q.csv"
+    reader = open_events(path, chunk_rows=500, quarantine=quarantine)
+    batches = list(reader)
+    assert len(batches) > 30
+    batch = EventBatch.cat(batches)
+    expected = [i for i in range(n) if i not in bad]
+    assert batch.src.tolist() == expected and batch.t.tolist() == expected
+    lines = [int(r["line"]) for r in csv.DictReader(quarantine.open())]
+    assert lines == [i + 2 for i in sorted(bad)]
+    with pytest.raises(
+        LoaderError, match=r"big\.csv: line 15002: wrong field count: row has 2 fields"
+    ):
+        load_events(path, chunk_rows=500)
+
+
 def reference_window(times: list[int], window: int) -> tuple[list[int], list[int]]:
     """Row by row: the late rows, and the others' arrival indices stably sorted by time."""
     late, kept = [], []
@@ -292,16 +313,17 @@ def test_reorder_window_matches_row_by_row_rule(
 
 
 BAD_CASES = [
-    ("1,2,abc", {}, "line 3: non-numeric time 'abc' in column 'time'"),
-    ("1,2,nan", {}, "line 3: time is NaN in column 'time'"),
-    ("1,2,", {}, "line 3: non-numeric time '' in column 'time'"),
-    ("-1,2,5", {}, "line 3: negative id -1 in column 'src'"),
-    ("1,2.5,5", {}, "line 3: non-integer id '2.5' in column 'dst'"),
-    ("1,x,5", {}, "line 3: non-numeric id 'x' in column 'dst'"),
-    ("1,2,5,7", {}, "line 3: row has 4 fields, expected 3"),
-    ("1,2", {}, "line 3: row has 2 fields, expected 3"),
-    ("1,2,0", {}, "line 3: time decreases"),
-    ("1,20,5", {"num_nodes": 10}, "line 3: dst id 20 >= num_nodes 10"),
+    ("1,2,abc", {}, "line 3: non-numeric time: 'abc' in column 'time'"),
+    ("1,2,nan", {}, "line 3: NaN time: in column 'time'"),
+    ("1,2,inf", {}, "line 3: non-finite time: inf in column 'time'"),
+    ("1,2,", {}, "line 3: non-numeric time: '' in column 'time'"),
+    ("-1,2,5", {}, "line 3: negative id: -1 in column 'src'"),
+    ("1,2.5,5", {}, "line 3: non-integer id: '2.5' in column 'dst'"),
+    ("1,x,5", {}, "line 3: non-numeric id: 'x' in column 'dst'"),
+    ("1,2,5,7", {}, "line 3: wrong field count: row has 4 fields, expected 3"),
+    ("1,2", {}, "line 3: wrong field count: row has 2 fields, expected 3"),
+    ("1,2,0", {}, "line 3: time decreases: time 0 is earlier than 1"),
+    ("1,20,5", {"num_nodes": 10}, "line 3: id out of range: dst id 20 >= num_nodes 10"),
 ]
 
 
@@ -338,7 +360,8 @@ def test_feature_width_mismatch(tmp_path: Path) -> None:
     text = "user_id,item_id,timestamp,state_label,features\n0,0,1,0,0.5,0.5\n1,0,2,0,0.5\n"
     path = write(tmp_path / "j.csv", text)
     with pytest.raises(
-        LoaderError, match=r"j\.csv: line 3: row has 5 fields, expected 6 \(feature"
+        LoaderError,
+        match=r"j\.csv: line 3: feature width mismatch \(2 features expected\): row has 5 f",
     ):
         load_events(path)
     with pytest.raises(LoaderError, match=r"j\.csv: line 2: feature width mismatch: 2 feature"):
@@ -348,7 +371,9 @@ def test_feature_width_mismatch(tmp_path: Path) -> None:
 def test_late_event_beyond_window(tmp_path: Path) -> None:
     path = write(tmp_path / "e.csv", "src,dst,time\n0,0,5\n0,0,6\n0,0,7\n0,0,4\n")
     assert load_events(path, sort=True, reorder_window=3).t.tolist() == [4, 5, 6, 7]
-    with pytest.raises(LoaderError, match=r"line 5: event is too late for reorder_window=2"):
+    with pytest.raises(
+        LoaderError, match=r"line 5: too late for the reorder window: time 4 is earlier than 5"
+    ):
         load_events(path, sort=True, reorder_window=2)
 
 
@@ -362,7 +387,12 @@ def test_quarantine_counts_logs_and_keeps_valid_rows(tmp_path: Path, caplog) -> 
     assert batch.src.tolist() == [0, 2, 5] and batch.eid.tolist() == [0, 1, 2]
     assert reader.stats.rows_read == 7 and reader.stats.rows_yielded == 3
     assert reader.stats.rows_rejected == 4
-    assert sum(reader.stats.rejected_by_reason.values()) == 4
+    assert reader.stats.rejected_by_reason == {
+        "non-numeric id": 1,
+        "NaN time": 1,
+        "wrong field count": 1,
+        "time decreases": 1,
+    }
     written = list(csv.DictReader(quarantine.open()))
     assert sorted(int(r["line"]) for r in written) == [3, 4, 6, 7]
     assert {r["line"]: r["text"] for r in written}["6"] == "4,5"

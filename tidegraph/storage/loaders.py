@@ -132,13 +132,14 @@ class EventReader:
     def _late(self, rows: Rows, late: np.ndarray, bound: np.ndarray) -> Rejects:
         if late.size == 0:
             return Rejects.empty()
-        hint = (
-            "time decreases (pass sort=True to reorder)"
-            if self.config.window == 0
-            else f"event is too late for reorder_window={self.config.window} rows"
+        w = self.config.window
+        kind, hint = (
+            ("time decreases", "pass sort=True to reorder")
+            if w == 0
+            else ("too late for the reorder window", f"raise reorder_window={w} or sort='full'")
         )
         reasons = [
-            f"{hint}: time {t:g} is earlier than {b:g}, seen before"
+            f"{kind}: time {t:g} is earlier than {b:g}, seen before ({hint})"
             for t, b in zip(rows.t[late].tolist(), bound.tolist(), strict=True)
         ]
         texts = [
@@ -204,11 +205,8 @@ def _count(rejects: Rejects | None) -> int:
 
 
 def _kind(reason: str) -> str:
-    """A reason without its values: the text before the first quote, digit or colon."""
-    for i, ch in enumerate(reason):
-        if ch in "'\"(:" or ch.isdigit():
-            return reason[:i].strip()
-    return reason
+    """A reason without its values (reasons read `kind: details`)."""
+    return reason.split(":", 1)[0]
 
 
 def _to_batch(rows: Rows, first_eid: int) -> EventBatch:

@@ -164,7 +164,7 @@ def _parse_id(array: pa.Array, name: str, checks: _Checks) -> np.ndarray:
         values = array.to_numpy().astype(np.int64, copy=False)
     else:
         values = _parse_id_slow(array, name, checks)
-    checks.fail(values < 0, lambda i: [f"negative id {v} in column '{name}'" for v in values[i]])
+    checks.fail(values < 0, lambda i: [f"negative id: {v} in column '{name}'" for v in values[i]])
     return values
 
 
@@ -178,7 +178,7 @@ def _parse_id_slow(array: pa.Array, name: str, checks: _Checks) -> np.ndarray:
     integral = np.isfinite(as_float) & (np.floor(as_float) == as_float)
     bad = ~integral & ~checks.bad
     checks.fail(
-        bad, lambda i: [f"non-integer id {v!r} in column '{name}'" for v in _values(array, i)]
+        bad, lambda i: [f"non-integer id: {v!r} in column '{name}'" for v in _values(array, i)]
     )
     values = np.where(integral, as_float, 0).astype(np.int64)
     exact = _exact_ints(array)
@@ -208,8 +208,8 @@ def _parse_time(array: pa.Array, name: str, checks: _Checks) -> np.ndarray:
 
 
 def _bad_time(value: float, name: str) -> str:
-    what = "NaN" if np.isnan(value) else f"not finite ({value})"
-    return f"time is {what} in column '{name}'"
+    kind = "NaN time" if np.isnan(value) else f"non-finite time: {value}"
+    return f"{kind}: in column '{name}'" if np.isnan(value) else f"{kind} in column '{name}'"
 
 
 def _parse_float(array: pa.Array, name: str, checks: _Checks, what: str = "value") -> np.ndarray:
@@ -217,7 +217,7 @@ def _parse_float(array: pa.Array, name: str, checks: _Checks, what: str = "value
     if pa.types.is_integer(array.type) or pa.types.is_floating(array.type):
         values = pc.fill_null(pc.cast(array, pa.float64()), np.nan).to_numpy()
         missing = array.is_null().to_numpy(zero_copy_only=False)
-        checks.fail(missing, lambda i: [f"missing {what} in column '{name}'"] * len(i))
+        checks.fail(missing, lambda i: [f"missing {what}: empty in column '{name}'"] * len(i))
         return values
     try:
         return pc.cast(array, pa.float64()).to_numpy(zero_copy_only=False)
@@ -229,7 +229,7 @@ def _parse_float(array: pa.Array, name: str, checks: _Checks, what: str = "value
     values = _cast_float_tolerant(cleaned)
     bad = ~looks.to_numpy(zero_copy_only=False) | np.isnan(values) & ~_nan_text(text)
     checks.fail(
-        bad, lambda i: [f"non-numeric {what} {v!r} in column '{name}'" for v in _values(array, i)]
+        bad, lambda i: [f"non-numeric {what}: {v!r} in column '{name}'" for v in _values(array, i)]
     )
     return values
 
@@ -290,10 +290,17 @@ def _parse_list_features(array: pa.Array, name: str, checks: _Checks, width: int
 def _apply_rules(src: np.ndarray, dst: np.ndarray, rules: IdRules, checks: _Checks) -> np.ndarray:
     if rules.src_bound is not None:
         bound, bname = rules.src_bound, rules.src_bound_name
-        checks.fail(src >= bound, lambda i: [f"src id {v} >= {bname} {bound}" for v in src[i]])
+        checks.fail(
+            src >= bound,
+            lambda i: [f"id out of range: src id {v} >= {bname} {bound}" for v in src[i]],
+        )
     dst = dst + rules.dst_offset if rules.dst_offset else dst
     if rules.node_bound is not None:
         nb = rules.node_bound
-        checks.fail(src >= nb, lambda i: [f"src id {v} >= num_nodes {nb}" for v in src[i]])
-        checks.fail(dst >= nb, lambda i: [f"dst id {v} >= num_nodes {nb}" for v in dst[i]])
+        checks.fail(
+            src >= nb, lambda i: [f"id out of range: src id {v} >= num_nodes {nb}" for v in src[i]]
+        )
+        checks.fail(
+            dst >= nb, lambda i: [f"id out of range: dst id {v} >= num_nodes {nb}" for v in dst[i]]
+        )
     return dst

@@ -115,11 +115,14 @@ class CsvSource:
         delimiter: str,
         chunk_rows: int,
         block_size: int,
-        width_note: str = "",
+        width_kind: str = "wrong field count",
+        lenient: bool = False,
     ) -> None:
         self.path, self.roles, self.features = path, roles, features
         self.column_names, self.skip_rows, self.delimiter = column_names, skip_rows, delimiter
-        self.chunk_rows, self.block_size, self.width_note = chunk_rows, block_size, width_note
+        self.chunk_rows, self.block_size, self.width_kind = chunk_rows, block_size, width_kind
+        self.lenient = lenient  # skip invalid rows without a record (the JODIE first pass)
+        self._threads = True
         header = 0 if column_names is not None else 1
         self.first_data_line = skip_rows + header + 1
         self._reset()
@@ -132,22 +135,40 @@ class CsvSource:
 
     def chunks(self) -> Iterator[RawChunk]:
         self._reset()
-        reader = self._open()
-        try:
-            for batch in _guarded(reader, self.path):
-                for start in range(0, batch.num_rows, self.chunk_rows):
-                    yield self._chunk(batch.slice(start, self.chunk_rows))
-        finally:
-            reader.close()
+        complete = yield from self._pass(threads=True)
+        if not complete:  # an invalid row: only the serial reader reports its line number
+            yield from self._pass(threads=False)
         yield self._chunk(None)
 
-    def _open(self) -> pacsv.CSVStreamingReader:
+    def _pass(self, threads: bool) -> Iterator[RawChunk]:
+        """One read of the file; rows handed out by an earlier pass are skipped, not repeated.
+
+        Returns False when a threaded pass stops at an invalid row. Its handler runs while the
+        row's block is parsed, before that block's batch comes out, so no row from that block
+        or later has been handed out yet.
+        """
+        self._threads, self._invalid = threads, False
+        resume, seen = self._read, 0
+        reader = self._open(threads)
+        try:
+            for batch in _guarded(reader, self.path):
+                if self._invalid and threads:
+                    return False
+                fresh = batch.slice(min(max(resume - seen, 0), batch.num_rows))
+                seen += batch.num_rows
+                for start in range(0, fresh.num_rows, self.chunk_rows):
+                    yield self._chunk(fresh.slice(start, self.chunk_rows))
+        finally:
+            reader.close()
+        return not (self._invalid and threads)
+
+    def _open(self, threads: bool) -> pacsv.CSVStreamingReader:
         wanted = list(dict.fromkeys([*self.roles.values(), *self.features]))
         read = pacsv.ReadOptions(
             skip_rows=self.skip_rows,
             column_names=self.column_names,
             block_size=self.block_size,
-            use_threads=False,  # the invalid-row handler only learns line numbers this way
+            use_threads=threads,
         )
         parse = pacsv.ParseOptions(delimiter=self.delimiter, invalid_row_handler=self._on_invalid)
         convert = pacsv.ConvertOptions(
@@ -163,12 +184,14 @@ class CsvSource:
             raise LoaderError(self.path, None, f"cannot read: {exc}") from exc
 
     def _on_invalid(self, row: pacsv.InvalidRow) -> str:
-        line = row.number if row.number is not None else -1
-        ordinal = line - self.first_data_line
+        self._invalid = True
+        if self._threads or self.lenient:
+            return "skip"
+        ordinal = row.number - self.first_data_line
         self._adjusted.append(ordinal - len(self._skipped))
         self._skipped.append(ordinal)
-        reason = f"row has {row.actual_columns} fields, expected {row.expected_columns}"
-        self._pending.append((line, reason + self.width_note, row.text))
+        counts = f"row has {row.actual_columns} fields, expected {row.expected_columns}"
+        self._pending.append((row.number, f"{self.width_kind}: {counts}", row.text))
         return "skip"
 
     def _chunk(self, batch: pa.RecordBatch | None) -> RawChunk:
@@ -360,7 +383,7 @@ def jodie_source(path: Path, cfg: LoaderConfig) -> tuple[CsvSource, IdRules]:
         delimiter=delimiter,
         chunk_rows=cfg.chunk_rows,
         block_size=_block_size(peek, cfg.chunk_rows),
-        width_note=f" (feature width mismatch: expected {len(features)} features)",
+        width_kind=f"feature width mismatch ({len(features)} features expected)",
     )
     num_users = cfg.num_users if cfg.num_users is not None else _max_user(source) + 1
     return source, IdRules(dst_offset=num_users, src_bound=num_users, node_bound=cfg.num_nodes)
@@ -377,6 +400,7 @@ def _max_user(source: CsvSource) -> int:
         delimiter=source.delimiter,
         chunk_rows=1 << 30,
         block_size=source.block_size,
+        lenient=True,
     )
     best = -1
     for chunk in probe.chunks():
@@ -388,8 +412,9 @@ def _max_user(source: CsvSource) -> int:
 
 
 def _block_size(peek: Peek, chunk_rows: int) -> int:
-    """Bytes per pyarrow block: about `chunk_rows` rows, never less than a few long lines."""
-    return int(min(max(chunk_rows * peek.mean_len, 16 * peek.max_len, 1 << 14), 1 << 26))
+    """Bytes per pyarrow block: about `chunk_rows` rows up to 4 MiB (measured fastest), and
+    never less than a few long lines."""
+    return int(max(min(chunk_rows * peek.mean_len, 1 << 22), 16 * peek.max_len, 1 << 14))
 
 
 def _check_width(width: int, feature_dim: int | None, path: Path, line: int) -> None:
