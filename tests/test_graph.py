@@ -177,3 +177,24 @@ def test_time_ordered_stream_matches_reference(data, add_reverse):
         ref.add_edges(src, dst, t)
     for v in range(13):
         assert _neighbors(g, v) == ref.neighbors(v)
+
+
+def test_uva_view_needs_pinned_memory():
+    from tidegraph.storage.uva import uva_view
+
+    with pytest.raises(ValueError, match="pinned host memory"):
+        uva_view(torch.arange(4))
+
+
+@pytest.mark.gpu
+def test_uva_view_reads_host_memory_from_cuda():
+    from tidegraph.storage.uva import uva_view
+
+    host = torch.arange(1000, dtype=torch.int64).pin_memory()
+    view = uva_view(host)
+    assert view.device.type == "cuda"
+    idx = torch.tensor([3, 999, 0], device="cuda")
+    assert view[idx].tolist() == [3, 999, 0]
+    host[3] = -7  # the view aliases the host memory: no copy was made
+    torch.cuda.synchronize()
+    assert int(view[3]) == -7

@@ -70,14 +70,13 @@ class TemporalSampler:
 
     def sample(self, roots: torch.Tensor, ts: torch.Tensor) -> list[Block] | list[list[Block]]:
         """Blocks for hops 1..L; with snapshots, one list of blocks per window, newest first."""
-        out_device = self._check_roots(roots, ts)
-        roots = roots.to(self.graph.device)
-        ts = ts.to(device=self.graph.device, dtype=torch.float64)
+        self._check_roots(roots, ts)
+        ts = ts.to(torch.float64)
         if self.num_snapshots == 1 and self.snapshot_window == 0.0:
-            return [b.to(out_device) for b in self._sample_hops(roots, ts, None)]
+            return self._sample_hops(roots, ts, None)
         w = self.snapshot_window
         return [
-            [b.to(out_device) for b in self._sample_hops(roots, ts - i * w, ts - (i + 1) * w)]
+            self._sample_hops(roots, ts - i * w, ts - (i + 1) * w)
             for i in range(self.num_snapshots)
         ]
 
@@ -145,8 +144,8 @@ class TemporalSampler:
 
     # ---- checks ---------------------------------------------------------------------------
 
-    def _check_roots(self, roots: torch.Tensor, ts: torch.Tensor) -> torch.device:
-        expected = torch.device("cuda") if self.graph.placement == "pinned" else self.graph.device
+    def _check_roots(self, roots: torch.Tensor, ts: torch.Tensor) -> None:
+        expected = self.graph.device
         for name, x in (("roots", roots), ("ts", ts)):
             if not isinstance(x, torch.Tensor) or x.dim() != 1:
                 raise ValueError(f"TemporalSampler.sample: {name} must be a 1-D tensor")

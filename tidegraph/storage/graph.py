@@ -11,9 +11,8 @@ index node-feature and memory tables); times are float64 (int64 seconds are exac
 and from dst, with the same eid), which `num_stored_edges` counts.
 
 Placement: "cpu" and "cuda" keep every segment on that device. "pinned" keeps segments in pinned
-host memory; PyTorch has no way to hand a pinned host tensor to its CUDA kernels as a device
-tensor (zero-copy), so queries over pinned segments run on the CPU and their (small) results are
-copied to the GPU asynchronously by the sampler.
+host memory and queries them with CUDA kernels through zero-copy views (`uva_view`): the graph
+can outgrow GPU memory while sampling still runs on the GPU, reading host memory over the bus.
 """
 
 from __future__ import annotations
@@ -24,6 +23,7 @@ import numpy as np
 import torch
 
 from tidegraph.storage.segment import Segment
+from tidegraph.storage.uva import uva_view
 
 __all__ = ["DynamicGraph"]
 
@@ -51,8 +51,8 @@ class DynamicGraph:
 
     @property
     def device(self) -> torch.device:
-        """Where segment tensors live (pinned segments are host tensors)."""
-        return torch.device("cpu" if self.placement in ("cpu", "pinned") else self.placement)
+        """Where queries run and inputs are expected (pinned segments are read from CUDA)."""
+        return torch.device("cuda" if self.placement == "pinned" else self.placement)
 
     @property
     def num_stored_edges(self) -> int:
@@ -99,18 +99,20 @@ class DynamicGraph:
         self._next_eid = max(self._next_eid, int(eid.max()) + 1)
 
     def _push(self, segment: Segment) -> None:
-        if self.placement == "pinned":
-            segment = segment.to("cpu", pin=True)
-        self.segments.append(segment)
+        self.segments.append(self._place(segment))
         while len(self.segments) >= 2 and (
             self.segments[-2].num_edges <= self.segments[-1].num_edges
         ):
             newer = self.segments.pop()
             older = self.segments.pop()
             merged = Segment.merge(older, newer)
-            self.segments.append(
-                merged.to("cpu", pin=True) if self.placement == "pinned" else merged
-            )
+            self.segments.append(self._place(merged))
+
+    def _place(self, segment: Segment) -> Segment:
+        """Pinned placement: move to pinned host memory, keep CUDA views of it for queries."""
+        if self.placement != "pinned":
+            return segment
+        return segment.map(lambda x: uva_view(x.cpu().pin_memory(), self.device))
 
     # ---- queries --------------------------------------------------------------------------
 
@@ -150,9 +152,7 @@ class DynamicGraph:
             elif seg.t_max >= t:
                 trimmed = seg.drop_before(t)
                 if trimmed is not None:
-                    kept.append(
-                        trimmed.to("cpu", pin=True) if self.placement == "pinned" else trimmed
-                    )
+                    kept.append(self._place(trimmed))
         self.segments = kept
         dropped = before - self.num_stored_edges
         log.info("offloaded %d stored edges older than t=%s", dropped, t)
@@ -186,13 +186,12 @@ class DynamicGraph:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        pin = self.placement == "pinned"
         self.add_reverse = state["add_reverse"]
         self.num_nodes = state["num_nodes"]
         self.num_edges = state["num_edges"]
         self._next_eid = state["next_eid"]
         self.segments = [
-            Segment.from_state_dict(s).to(self.device, pin=pin) for s in state["segments"]
+            self._place(Segment.from_state_dict(s).to(self.device)) for s in state["segments"]
         ]
 
 

@@ -163,17 +163,17 @@ class Segment:
             self.expanded_nodes()[keep], self.nbr[keep].long(), self.t[keep], self.eid[keep]
         )
 
-    def to(self, device: torch.device | str, pin: bool = False) -> Segment:
-        def move(x: torch.Tensor) -> torch.Tensor:
-            x = x.to(device)
-            return x.pin_memory() if pin else x
+    def to(self, device: torch.device | str) -> Segment:
+        return self.map(lambda x: x.to(device))
 
+    def map(self, fn) -> Segment:
+        """The same segment with `fn` applied to each array (placement changes)."""
         return Segment(
-            nodes=move(self.nodes),
-            offsets=move(self.offsets),
-            nbr=move(self.nbr),
-            t=move(self.t),
-            eid=move(self.eid),
+            nodes=fn(self.nodes),
+            offsets=fn(self.offsets),
+            nbr=fn(self.nbr),
+            t=fn(self.t),
+            eid=fn(self.eid),
             max_degree=self.max_degree,
             t_min=self.t_min,
             t_max=self.t_max,
