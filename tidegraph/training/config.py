@@ -46,9 +46,7 @@ class SamplerConfig:
             )
         if self.fanouts is not None:
             if not self.fanouts or any(int(k) != k or k < 1 for k in self.fanouts):
-                raise ValueError(
-                    f"sampler.fanouts must be positive integers, got {self.fanouts}"
-                )
+                raise ValueError(f"sampler.fanouts must be positive integers, got {self.fanouts}")
             self.fanouts = [int(k) for k in self.fanouts]
         if self.num_snapshots is not None and self.num_snapshots < 1:
             raise ValueError(f"sampler.num_snapshots must be >= 1, got {self.num_snapshots}")
@@ -59,7 +57,7 @@ class SamplerConfig:
 @dataclass(kw_only=True)
 class TrainConfig:
     batch_size: int = 200
-    lr: float = 1e-4
+    lr: float = 1e-3
     epochs: int = 3  # phase 1 (continual) or the whole run (offline)
     train_negatives: int = 1
     eval_negatives: int = 20  # per positive, for MRR; AP and AUC use the first one
@@ -107,18 +105,14 @@ class ContinualConfig:
                 f"continual.importance_floor must be in (0, 1], got {self.importance_floor}"
             )
         given = [
-            n
-            for n in ("increment_events", "increment_window")
-            if getattr(self, n) is not None
+            n for n in ("increment_events", "increment_window") if getattr(self, n) is not None
         ]
         if len(given) > 1:
             raise ValueError("continual: give increment_events or increment_window, not both")
         if given:
             self.num_increments = None
         elif self.num_increments is None or self.num_increments < 1:
-            raise ValueError(
-                f"continual.num_increments must be >= 1, got {self.num_increments}"
-            )
+            raise ValueError(f"continual.num_increments must be >= 1, got {self.num_increments}")
         for name in ("increment_events", "increment_window"):
             value = getattr(self, name)
             if value is not None and value <= 0:

@@ -35,7 +35,6 @@ from pathlib import Path
 
 import torch
 
-from tidegraph.models.base import TemporalModel
 from tidegraph.models.config import build_model
 from tidegraph.sampling.sampler import TemporalSampler
 from tidegraph.storage.events import EventBatch
@@ -119,12 +118,12 @@ class ContinualLearner:
         cfg = self.config
         end = self.phase1_end
         val_start = end - int(end * cfg.continual.val_fraction)
-        self._ingest(0, end)
+        self.ingest(0, end)
         record = {"phase": "phase1", "train_events": val_start, "val_events": end - val_start}
         for epoch in range(cfg.train.epochs):
             self.model.reset_state()
-            rate, loss = self._train_pass(0, val_start, f"phase1 epoch {epoch + 1}")
-            metrics = self._eval_pass(val_start, end, f"phase1 val {epoch + 1}", observe=True)
+            rate, loss = self.train_pass(0, val_start, f"phase1 epoch {epoch + 1}")
+            metrics = self.eval_pass(val_start, end, f"phase1 val {epoch + 1}", observe=True)
             log.info("phase 1 epoch %d: loss %.4f val %s", epoch + 1, loss, _fmt(metrics))
             record.update({"epoch": epoch + 1, "loss": loss, "train_events_per_s": rate})
             record.update({f"val_{k}": v for k, v in metrics.items()})
@@ -142,9 +141,9 @@ class ContinualLearner:
         start, end = self.bounds[k]
         c = self.config.continual
         t0 = time.perf_counter()
-        self._ingest(start, end)
+        self.ingest(start, end)
         before = self.model.node_state()
-        metrics = self._eval_pass(start, end, f"increment {k + 1} eval", observe=True)
+        metrics = self.eval_pass(start, end, f"increment {k + 1} eval", observe=True)
         eval_s = time.perf_counter() - t0
         if c.fresh_optimizer:
             self.optimizer = self._new_optimizer()
@@ -225,7 +224,7 @@ class ContinualLearner:
     def _new_optimizer(self) -> torch.optim.Optimizer:
         return torch.optim.Adam(self.model.parameters(), lr=self.config.train.lr)
 
-    def _ingest(self, start: int, end: int) -> None:
+    def ingest(self, start: int, end: int) -> None:
         if end <= self.ingested:
             return
         ev = self.events.select(slice(max(start, self.ingested), end))
@@ -240,7 +239,7 @@ class ContinualLearner:
         for lo in range(start, end, b):
             yield self.events.select(slice(lo, min(lo + b, end)))
 
-    def _train_pass(self, start: int, end: int, desc: str) -> tuple[float, float]:
+    def train_pass(self, start: int, end: int, desc: str) -> tuple[float, float]:
         bar = Progress(end - start, desc, self.config.progress)
         total = 0.0
         for ev in self._batches(start, end):
@@ -265,7 +264,7 @@ class ContinualLearner:
         bar.close()
         return total / max(end - start + pos.numel(), 1), int(pos.numel())
 
-    def _eval_pass(self, start: int, end: int, desc: str, observe: bool) -> dict:
+    def eval_pass(self, start: int, end: int, desc: str, observe: bool) -> dict:
         bar = Progress(end - start, desc, self.config.progress)
         pos, neg = [], []
         for ev in self._batches(start, end):

@@ -52,7 +52,11 @@ def mrr(pos: torch.Tensor, neg_BQ: torch.Tensor) -> float:
 def link_metrics(pos: torch.Tensor, neg_BQ: torch.Tensor) -> dict[str, float]:
     """AP and AUC with the first negative of each positive; MRR against all of them."""
     first = neg_BQ[:, 0]
-    return {"ap": average_precision(pos, first), "auc": roc_auc(pos, first), "mrr": mrr(pos, neg_BQ)}
+    return {
+        "ap": average_precision(pos, first),
+        "auc": roc_auc(pos, first),
+        "mrr": mrr(pos, neg_BQ),
+    }
 
 
 def _joined(pos: torch.Tensor, neg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
