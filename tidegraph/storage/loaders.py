@@ -18,7 +18,7 @@ Assumptions and rules:
   or feature width, time out of order) raise `LoaderError` naming file, line and reason; with
   `quarantine=PATH` they are written to that CSV (columns `line,reason,text`) instead, counted in
   `stats`, and a warning is logged. Valid rows are never dropped.
-- Line numbers: see `loaders_sources` (1-based, header included, blank lines not counted).
+- Line numbers: see `loaders_text` (1-based, header included, blank lines not counted).
   Parquet files report 1-based row positions instead.
 """
 
@@ -40,14 +40,8 @@ from tidegraph.storage.events import EventBatch
 from tidegraph.storage.loaders_config import ColumnMap, LoaderConfig, LoaderError
 from tidegraph.storage.loaders_order import FullSorter, Reorderer
 from tidegraph.storage.loaders_parse import IdRules, Rejects, Rows, parse_chunk
-from tidegraph.storage.loaders_sources import (
-    ParquetSource,
-    TglSource,
-    detect_format,
-    jodie_source,
-    load_tensor,
-    text_source,
-)
+from tidegraph.storage.loaders_sources import ParquetSource, TglSource, detect_format, load_tensor
+from tidegraph.storage.loaders_text import jodie_source, text_source
 
 __all__ = [
     "ColumnMap",
