@@ -202,6 +202,15 @@ def test_parquet_bad_rows_name_the_row(tmp_path: Path) -> None:
         load_events(tmp_path / "r.parquet", columns=ColumnMap(features="f"), feature_dim=2)
 
 
+def test_parquet_nulls_are_rejected(tmp_path: Path) -> None:
+    table = pa.table({"src": ["1", None, "3"], "dst": [1, 2, None], "time": [1.0, 2.0, 3.0]})
+    pq.write_table(table, tmp_path / "n.parquet")
+    with pytest.raises(LoaderError, match=r"n\.parquet: row 2: missing id: null in column 'src'"):
+        load_events(tmp_path / "n.parquet")
+    batch = load_events(tmp_path / "n.parquet", quarantine=tmp_path / "q.csv")
+    assert batch.src.tolist() == [1]
+
+
 def bitcoin_file(tmp_path: Path) -> tuple[Path, np.ndarray]:
     rng = np.random.default_rng(3)
     n = 200
@@ -314,8 +323,8 @@ def test_reorder_window_matches_row_by_row_rule(
 
 BAD_CASES = [
     ("1,2,abc", {}, "line 3: non-numeric time: 'abc' in column 'time'"),
-    ("1,2,nan", {}, "line 3: NaN time: in column 'time'"),
-    ("1,2,inf", {}, "line 3: non-finite time: inf in column 'time'"),
+    ("1,2,nan", {}, "line 3: NaN time: column 'time' holds nan"),
+    ("1,2,inf", {}, "line 3: non-finite time: column 'time' holds inf"),
     ("1,2,", {}, "line 3: non-numeric time: '' in column 'time'"),
     ("-1,2,5", {}, "line 3: negative id: -1 in column 'src'"),
     ("1,2.5,5", {}, "line 3: non-integer id: '2.5' in column 'dst'"),

@@ -40,7 +40,13 @@ from tidegraph.storage.events import EventBatch
 from tidegraph.storage.loaders_config import ColumnMap, LoaderConfig, LoaderError
 from tidegraph.storage.loaders_order import FullSorter, Reorderer
 from tidegraph.storage.loaders_parse import IdRules, Rejects, Rows, parse_chunk
-from tidegraph.storage.loaders_sources import ParquetSource, TglSource, detect_format, load_tensor
+from tidegraph.storage.loaders_sources import (
+    ParquetSource,
+    Source,
+    TglSource,
+    detect_format,
+    load_tensor,
+)
 from tidegraph.storage.loaders_text import jodie_source, text_source
 
 __all__ = [
@@ -86,7 +92,7 @@ class EventReader:
         self._source, self._rules = self._make_source()
         self.stats = LoadStats()
 
-    def _make_source(self):
+    def _make_source(self) -> tuple[Source, IdRules]:
         cfg, fmt, rules = self.config, self.format, IdRules(node_bound=self.config.num_nodes)
         if fmt == "jodie":
             if cfg.columns is not None:
@@ -270,11 +276,11 @@ def load_events(
     reader = open_events(path, format, config=config, **options)
     batches = list(reader)
     if not batches:
-        return _to_batch(_empty_rows(reader), 0)
+        return _to_batch(_empty_rows(), 0)
     return EventBatch.cat(batches)
 
 
-def _empty_rows(reader: EventReader) -> Rows:
+def _empty_rows() -> Rows:
     e = np.empty(0)
     return Rows(src=e.astype(np.int64), dst=e.astype(np.int64), t=e, lines=e.astype(np.int64))
 

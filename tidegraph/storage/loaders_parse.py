@@ -169,7 +169,7 @@ def _parse_id(array: pa.Array, name: str, checks: _Checks) -> np.ndarray:
 
 
 def _parse_id_slow(array: pa.Array, name: str, checks: _Checks) -> np.ndarray:
-    if pa.types.is_string(array.type) or pa.types.is_large_string(array.type):
+    if _is_text(array) and array.null_count == 0:
         try:
             return pc.cast(array, pa.int64()).to_numpy()
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
@@ -189,7 +189,7 @@ def _parse_id_slow(array: pa.Array, name: str, checks: _Checks) -> np.ndarray:
 
 def _exact_ints(array: pa.Array) -> tuple[np.ndarray, np.ndarray] | None:
     """Exact int64 values of text that looks like an integer (floats lose ids above 2**53)."""
-    if not (pa.types.is_string(array.type) or pa.types.is_large_string(array.type)):
+    if not _is_text(array):
         return None
     text = pc.utf8_trim_whitespace(array)
     looks = pc.fill_null(pc.match_substring_regex(text, _INT_RE), False)
@@ -200,6 +200,10 @@ def _exact_ints(array: pa.Array) -> tuple[np.ndarray, np.ndarray] | None:
         return None
 
 
+def _is_text(array: pa.Array) -> bool:
+    return pa.types.is_string(array.type) or pa.types.is_large_string(array.type)
+
+
 def _parse_time(array: pa.Array, name: str, checks: _Checks) -> np.ndarray:
     values = _parse_float(array, name, checks, "time")
     bad = ~np.isfinite(values)
@@ -208,19 +212,19 @@ def _parse_time(array: pa.Array, name: str, checks: _Checks) -> np.ndarray:
 
 
 def _bad_time(value: float, name: str) -> str:
-    kind = "NaN time" if np.isnan(value) else f"non-finite time: {value}"
-    return f"{kind}: in column '{name}'" if np.isnan(value) else f"{kind} in column '{name}'"
+    kind = "NaN time" if np.isnan(value) else "non-finite time"
+    return f"{kind}: column '{name}' holds {value}"
 
 
 def _parse_float(array: pa.Array, name: str, checks: _Checks, what: str = "value") -> np.ndarray:
     """Parse to float64; rows that are not numbers fail with `non-numeric <what>`."""
-    if pa.types.is_integer(array.type) or pa.types.is_floating(array.type):
-        values = pc.fill_null(pc.cast(array, pa.float64()), np.nan).to_numpy()
+    if array.null_count:  # Parquet nulls; CSV text is never null
         missing = array.is_null().to_numpy(zero_copy_only=False)
-        checks.fail(missing, lambda i: [f"missing {what}: empty in column '{name}'"] * len(i))
-        return values
+        checks.fail(missing, lambda i: [f"missing {what}: null in column '{name}'"] * len(i))
+    if pa.types.is_integer(array.type) or pa.types.is_floating(array.type):
+        return pc.fill_null(pc.cast(array, pa.float64()), np.nan).to_numpy()
     try:
-        return pc.cast(array, pa.float64()).to_numpy(zero_copy_only=False)
+        return pc.fill_null(pc.cast(array, pa.float64()), np.nan).to_numpy()
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
         pass
     text = pc.utf8_trim_whitespace(pc.cast(array, pa.string()))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -31,6 +32,15 @@ from tidegraph.storage.loaders_text import (
 )
 
 _PARQUET_SUFFIXES = (".parquet", ".pq")
+
+
+class Source(Protocol):
+    """What the reader needs of a format: the file errors name, its row unit, raw chunks."""
+
+    path: Path
+    unit: str
+
+    def chunks(self) -> Iterator[RawChunk]: ...
 
 
 def detect_format(path: Path) -> str:
