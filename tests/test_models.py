@@ -1,0 +1,173 @@
+"""Models over synthetic blocks: shapes, masking, TGN memory semantics, growth and state."""
+
+import pytest
+import torch
+
+from tidegraph.models import MODELS, TGN, ModelConfig, TGNMemory, build_model
+from tidegraph.models.base import link_roots
+from tidegraph.models.layers import TemporalAttention, blocks_bottom_up
+from tidegraph.sampling import Block, TemporalSampler
+from tidegraph.storage.events import EventBatch
+from tidegraph.storage.graph import DynamicGraph
+
+SMALL = dict(dim=16, time_dim=8, memory_dim=16)
+
+
+def _graph(device, n_nodes=40, n_edges=400, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    src = torch.randint(0, n_nodes, (n_edges,), generator=gen)
+    dst = torch.randint(0, n_nodes, (n_edges,), generator=gen)
+    t = torch.arange(n_edges, dtype=torch.float64)
+    graph = DynamicGraph(device=str(device))
+    graph.add_edges(src.to(device), dst.to(device), t.to(device))
+    return graph, src.to(device), dst.to(device), t.to(device)
+
+
+def _score(model, sampler, src, dst, t, q=3):
+    b = src.shape[0]
+    neg = torch.randint(0, 40, (b, q), device=src.device)
+    roots, ts = link_roots(src, dst, neg, t)
+    return model.score(src, dst, neg, t, sampler.sample(roots, ts))
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_every_model_scores_and_backpropagates(name, device):
+    torch.manual_seed(0)
+    graph, src, dst, t = _graph(device)
+    cfg = ModelConfig(name=name, **SMALL)
+    snaps = 3 if name == "dysat" else 1
+    sampler = TemporalSampler(
+        graph, [5] * cfg.num_layers, num_snapshots=snaps, snapshot_window=50.0 if snaps > 1 else 0
+    )
+    model = build_model(cfg, graph.num_nodes, num_snapshots=snaps).to(device)
+    pos, neg = _score(model, sampler, src[200:232], dst[200:232], t[200:232])
+    assert pos.shape == (32,) and neg.shape == (32, 3)
+    assert torch.isfinite(pos).all() and torch.isfinite(neg).all()
+    (pos.sum() - neg.sum()).backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)
+
+
+def _block(dst_ids, nbr_ids, mask, t=10.0):
+    r, k = nbr_ids.shape
+    ts = torch.full((r,), t, dtype=torch.float64)
+    nbr_ts = torch.where(mask, ts.unsqueeze(1) - 1 - torch.arange(k), ts.unsqueeze(1))
+    return Block(
+        dst_ids=dst_ids,
+        dst_ts=ts,
+        nbr_ids=torch.where(mask, nbr_ids, -1),
+        nbr_ts=nbr_ts,
+        nbr_eids=torch.where(mask, torch.arange(r * k).view(r, k), -1),
+        dt=(ts.unsqueeze(1) - nbr_ts).float(),
+        mask=mask,
+    )
+
+
+def test_bottom_up_places_next_hop_results_in_the_masked_slots():
+    mask0 = torch.tensor([[True, False, True], [False, False, False]])
+    b0 = _block(torch.tensor([5, 6]), torch.tensor([[1, 0, 2], [0, 0, 0]]), mask0)
+    roots1, _ = b0.next_roots()  # 5, 6, 1, 2
+    b1 = _block(roots1, torch.zeros(4, 2, dtype=torch.long), torch.zeros(4, 2, dtype=torch.bool))
+    seen = {}
+
+    def h0(ids):
+        return ids.float().unsqueeze(-1) * (ids >= 0).unsqueeze(-1)
+
+    def layer(i, block, h_root, h_nbr):
+        seen[i] = (h_root.clone(), h_nbr.clone())
+        return h_root * 10
+
+    out = blocks_bottom_up([b0, b1], h0, layer)
+    assert seen[1][0].squeeze(-1).tolist() == [50.0, 60.0]
+    assert seen[1][1].squeeze(-1).tolist() == [[10.0, 0.0, 20.0], [0.0, 0.0, 0.0]]
+    assert out.squeeze(-1).tolist() == [500.0, 600.0]
+
+
+def test_attention_ignores_invalid_slots_and_handles_empty_rows():
+    torch.manual_seed(0)
+    att = TemporalAttention(4, 3, 0, 8, heads=2)
+    mask = torch.tensor([[True, False], [False, False]])
+    h_root, h_nbr = torch.randn(2, 4), torch.randn(2, 2, 4)
+    phi0, phi = torch.randn(3), torch.randn(2, 2, 3)
+    e = torch.zeros(2, 2, 0)
+    out = att(h_root, h_nbr, phi0, phi, e, mask)
+    h_nbr2 = h_nbr.clone()
+    h_nbr2[~mask] = 1e6  # garbage in invalid slots changes nothing
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(att(h_root, h_nbr2, phi0, phi, e, mask), out)
+
+
+def test_memory_keeps_latest_event_per_node_even_unsorted():
+    mem = TGNMemory(6, 4, 4, 2)
+    src = torch.tensor([0, 1, 0, 2])
+    dst = torch.tensor([1, 2, 3, 0])
+    t = torch.tensor([5.0, 3.0, 9.0, 9.0], dtype=torch.float64)
+    feat = torch.arange(8, dtype=torch.float32).view(4, 2)
+    mem.observe(src, dst, t, feat)
+    # node 0: events at 9 (row 2, other 3) and 9 (row 3, other 2): ties go to the later row
+    assert mem.has_msg.tolist() == [True, True, True, True, False, False]
+    assert mem.msg_other[:4].tolist() == [2, 0, 0, 0]
+    assert mem.msg_t[:4].tolist() == [9.0, 5.0, 9.0, 9.0]
+    assert mem.msg_feat[0].tolist() == [6.0, 7.0]
+
+
+def test_memory_update_matches_a_per_node_reference():
+    torch.manual_seed(0)
+    mem = TGNMemory(5, 4, 3, 0)
+    mem.memory.normal_()
+    mem.observe(torch.tensor([0, 1]), torch.tensor([1, 3]), torch.tensor([2.0, 4.0]), None)
+    ids = torch.tensor([0, 1, 2, 3])
+    before = mem.state_tensors()
+    new, last = mem.updated(ids)
+    for name, value in mem.state_tensors().items():  # updated() has no side effects
+        assert torch.equal(value, before[name]), name
+    for row, v in enumerate(ids.tolist()):
+        if not before["has_msg"][v]:
+            assert torch.equal(new[row], before["memory"][v])
+            continue
+        other = int(before["msg_other"][v])
+        dt = before["msg_t"][v] - before["last_update"][v]
+        msg = torch.cat(
+            [before["memory"][v], before["memory"][other], mem.time_enc(dt.float().view(1))[0]]
+        )
+        ref = mem.gru(msg.unsqueeze(0), before["memory"][v].unsqueeze(0))[0]
+        torch.testing.assert_close(new[row], ref)
+        assert float(last[row]) == float(before["msg_t"][v])
+    mem.commit(ids, new, last)
+    assert not mem.has_msg[ids].any()
+
+
+def test_tgn_state_dict_carries_memory_and_grows(device):
+    torch.manual_seed(0)
+    model = TGN(10, **SMALL).to(device)
+    model.memory.memory.normal_()
+    model.grow(25)
+    assert model.memory.num_nodes == 25
+    state = model.state_dict()
+    assert state["memory.memory"].shape == (25, 16)
+    fresh = TGN(10, **SMALL).to(device)
+    fresh.load_state_dict(state)
+    assert torch.equal(fresh.memory.memory, model.memory.memory)
+
+
+def test_tgn_commit_records_events_and_discard_leaves_state(device):
+    torch.manual_seed(0)
+    graph, src, dst, t = _graph(device)
+    sampler = TemporalSampler(graph, [5], seed=0)
+    model = TGN(graph.num_nodes, **SMALL).to(device)
+    ev = EventBatch(src[:20], dst[:20], t[:20] + 400, torch.arange(20, device=device))
+    _score(model, sampler, ev.src, ev.dst, ev.t)
+    model.discard()
+    assert not model.memory.has_msg.any()
+    _score(model, sampler, ev.src, ev.dst, ev.t)
+    model.commit(ev)
+    assert model.memory.has_msg[ev.src].all() and model.memory.has_msg[ev.dst].all()
+    _score(model, sampler, ev.src, ev.dst, ev.t + 1)
+    model.commit(None)
+    assert not model.memory.has_msg.any()
+    assert (model.memory.memory[ev.src].abs().sum(1) > 0).all()
+
+
+def test_unknown_model_is_rejected_naming_the_field():
+    with pytest.raises(ValueError, match="model.name"):
+        ModelConfig(name="gcnx")
