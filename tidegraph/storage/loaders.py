@@ -178,20 +178,22 @@ class _Batcher:
 
     def __init__(self, size: int, stats: LoadStats) -> None:
         self.size, self.stats = size, stats
-        self._carry: Rows | None = None
+        self._parts: list[Rows] = []  # joined only once they fill a batch: rows copy once
+        self._count = 0
         self._eid = 0
 
     def push(self, rows: Rows | None, last: bool = False) -> Iterator[EventBatch]:
-        parts = [p for p in (self._carry, rows) if p is not None and len(p)]
-        self._carry = None
-        if not parts:
+        if rows is not None and len(rows):
+            self._parts.append(rows)
+            self._count += len(rows)
+        if not self._parts or (self._count < self.size and not last):
             return
-        rows = parts[0] if len(parts) == 1 else Rows.cat(parts)
+        rows = self._parts[0] if len(self._parts) == 1 else Rows.cat(self._parts)
         full = len(rows) if last else len(rows) - len(rows) % self.size
         for start in range(0, full, self.size):
             yield self._batch(rows.take(slice(start, min(start + self.size, full))))
-        if full < len(rows):
-            self._carry = rows.take(slice(full, len(rows)))
+        self._parts = [rows.take(slice(full, len(rows)))] if full < len(rows) else []
+        self._count = len(rows) - full
 
     def _batch(self, rows: Rows) -> EventBatch:
         batch = _to_batch(rows, self._eid)

@@ -65,7 +65,8 @@ class Reorderer:
         return float(self._history[-(self.window + 1)])
 
     def _emit(self, rows: Rows) -> Rows:
-        merged = rows if self._buffer is None else Rows.cat([self._buffer, rows])
+        empty = self._buffer is None or len(self._buffer) == 0
+        merged = rows if empty else Rows.cat([self._buffer, rows])
         if not bool(np.all(merged.t[1:] >= merged.t[:-1])):  # sorted input skips the sort
             merged = merged.take(np.argsort(merged.t, kind="stable"))
         cut = int(np.searchsorted(merged.t, self._threshold(), side="right"))
