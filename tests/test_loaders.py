@@ -286,6 +286,17 @@ def test_invalid_rows_deep_in_a_file_keep_line_numbers(tmp_path: Path) -> None:
         load_events(path, chunk_rows=500)
 
 
+def test_reading_streams_instead_of_reading_whole(tmp_path: Path) -> None:
+    n = 200_000
+    path = write(
+        tmp_path / "long.csv", "src,dst,time\n" + "".join(f"{i},1,{i}\n" for i in range(n))
+    )
+    reader = open_events(path, chunk_rows=1_000)
+    first = next(iter(reader))
+    assert len(first) == 1_000 and first.eid[-1] == 999
+    assert reader._source.rows_seen < n // 4  # only a few blocks were parsed so far
+
+
 def reference_window(times: list[int], window: int) -> tuple[list[int], list[int]]:
     """Row by row: the late rows, and the others' arrival indices stably sorted by time."""
     late, kept = [], []
