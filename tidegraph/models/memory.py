@@ -66,19 +66,27 @@ class TGNMemory(nn.Module):
     # ---- per batch ------------------------------------------------------------------------
 
     def updated(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(memory [n, D], last update [n]) of `ids` with pending messages folded in."""
+        """(memory [n, D], last update [n]) of `ids` with pending messages folded in.
+
+        Only rows with a pending message go through the GRU (one host sync on CUDA for the
+        row count); the others keep their memory unchanged.
+        """
         mem = self.memory[ids]
         last = self.last_update[ids]
-        pending = self.has_msg[ids]
-        other = self.msg_other[ids]
-        msg_t = self.msg_t[ids]
-        dt = (msg_t - last).float()
+        rows = self.has_msg[ids].nonzero().squeeze(1)
+        sub = ids[rows]
+        msg_t = self.msg_t[sub]
         msg = torch.cat(
-            [mem, self.memory[other], self.time_enc(dt), self.msg_feat[ids].to(mem.dtype)], -1
+            [
+                mem[rows],
+                self.memory[self.msg_other[sub]],
+                self.time_enc((msg_t - last[rows]).float()),
+                self.msg_feat[sub].to(mem.dtype),
+            ],
+            -1,
         )
-        new = self.gru(msg, mem)
-        keep = pending.unsqueeze(-1)
-        return torch.where(keep, new, mem), torch.where(pending, msg_t, last)
+        new = self.gru(msg, mem[rows])
+        return mem.index_copy(0, rows, new), last.index_copy(0, rows, msg_t)
 
     @torch.no_grad()
     def commit(self, ids: torch.Tensor, mem: torch.Tensor, last: torch.Tensor) -> None:

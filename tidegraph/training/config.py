@@ -60,7 +60,7 @@ class TrainConfig:
     lr: float = 1e-3
     epochs: int = 3  # phase 1 (continual) or the whole run (offline)
     train_negatives: int = 1
-    eval_negatives: int = 20  # per positive, for MRR; AP and AUC use the first one
+    eval_negatives: int = 10  # per positive, for MRR; AP and AUC use the first one
     eval_max_roots: int = 8192  # evaluation batches are cut so one forward has at most this
 
     def __post_init__(self) -> None:
