@@ -5,7 +5,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tidegraph.storage.cache import POLICIES, CacheConfig, CachedFeatureStore
+from tidegraph.storage.cache import POLICIES, CacheConfig, CachedFeatureStore, RecentWindowTracker
 from tidegraph.storage.features import HostFeatureStore, InMemoryFeatureStore
 
 DIM = 3
@@ -46,6 +46,7 @@ _ops = st.lists(
         st.tuples(st.just("append"), st.integers(0, 12)),
         st.tuples(st.just("put"), st.lists(st.integers(0, 70), max_size=6)),
         st.tuples(st.just("restore"), st.lists(st.integers(0, 90), max_size=30)),
+        st.tuples(st.just("demote"), st.lists(st.integers(0, 90), max_size=10)),
     ),
     max_size=14,
 )
@@ -75,6 +76,8 @@ def test_every_policy_returns_the_store_rows(device, policy, ops, size, precisio
             c.append(torch.randn(arg, DIM, generator=gen))
         elif op == "put":
             c.put(ids(*arg), torch.randn(len(arg), DIM, generator=gen))
+        elif op == "demote":
+            c.demote(ids(*arg))
         else:
             c.restore(ids(*arg))
         held = c.cached_ids()
@@ -319,3 +322,74 @@ def test_config_object_and_overrides():
     assert c.config.policy == "fifo" and c.config.ratio == 0.1
     c.get(ids(0))
     assert c.capacity == 3
+
+
+# ---- demotion and the recent-window tracker ----------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "fifo", "recency"])
+def test_demoted_ids_are_evicted_first_unless_read_again(device, policy):
+    c = cache(filled(10), device, capacity=3, policy=policy)
+    replay(c, 5, 6, (7, 7, 7))
+    assert c.demote(ids(7, 6, 9)) == 2
+    replay(c, 6, 8)  # 6 was read again: only 7 is still demoted
+    assert cached(c) == [5, 6, 8]
+    assert c.stats()["demoted"] == 2
+
+
+def brute_force_dead(src: list[int], dst: list[int], window: int) -> set[int]:
+    lists: dict[int, list[int]] = {}
+    for e, (u, v) in enumerate(zip(src, dst, strict=True)):
+        lists.setdefault(u, []).append(e)
+        lists.setdefault(v, []).append(e)
+    live = {e for entries in lists.values() for e in entries[-window:]}
+    return set(range(len(src))) - live
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    edges=st.lists(st.tuples(st.integers(0, 6), st.integers(0, 6)), max_size=40),
+    cuts=st.lists(st.integers(0, 40), max_size=4),
+    window=st.integers(1, 4),
+)
+def test_recent_window_tracker_matches_brute_force(edges, cuts, window):
+    src, dst = [u for u, _ in edges], [v for _, v in edges]
+    tracker = RecentWindowTracker(window)
+    dead: set[int] = set()
+    bounds = sorted({0, len(edges), *(c for c in cuts if c <= len(edges))})
+    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+        out = tracker.add_edges(ids(*src[lo:hi]), ids(*dst[lo:hi]), torch.arange(lo, hi))
+        assert out.tolist() == sorted(out.tolist()) and not dead & set(out.tolist())
+        dead |= set(out.tolist())
+        assert dead == brute_force_dead(src[:hi], dst[:hi], window)
+
+
+def test_dead_edges_are_never_sampled_again():
+    from tidegraph.sampling import TemporalSampler
+    from tidegraph.storage import DynamicGraph
+
+    gen = torch.Generator().manual_seed(0)
+    graph, tracker = DynamicGraph(), RecentWindowTracker(5)
+    sampler = TemporalSampler(graph, fanouts=[5], strategy="recent", seed=0)
+    dead = torch.zeros(0, dtype=torch.int64)
+    for b in range(8):
+        src, dst = (
+            torch.randint(0, 15, (30,), generator=gen),
+            torch.randint(0, 15, (30,), generator=gen),
+        )
+        t = torch.arange(b * 30, b * 30 + 30, dtype=torch.float64)
+        graph.add_edges(src, dst, t)
+        dead = torch.cat([dead, tracker.add_edges(src, dst, torch.arange(b * 30, b * 30 + 30))])
+        roots = torch.arange(15)
+        block = sampler.sample(roots, torch.full((15,), 1e9))[0]
+        assert not bool(torch.isin(block.nbr_eids[block.mask], dead).any())
+    assert dead.numel() > 0
+
+
+def test_tracker_sorts_by_time_and_keeps_state():
+    tracker = RecentWindowTracker(1)
+    out = tracker.add_edges(ids(0, 0), ids(1, 1), ids(0, 1), t=torch.tensor([5.0, 2.0]))
+    assert out.tolist() == [1]  # edge 1 is older, so edge 0 is the newest at both ends
+    copy = RecentWindowTracker(1)
+    copy.load_state_dict(tracker.state_dict())
+    assert copy.add_edges(ids(0), ids(1), ids(2)).tolist() == [0]

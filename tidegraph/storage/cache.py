@@ -42,7 +42,7 @@ import torch
 
 from tidegraph.storage.features import EncodedRows, FeatureStore, _check_ids, decode
 
-__all__ = ["POLICIES", "CacheConfig", "CachedFeatureStore"]
+__all__ = ["POLICIES", "CacheConfig", "CachedFeatureStore", "RecentWindowTracker"]
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ _EMPTY_KEY = -(2**63)
 _PROTECTED_KEY = 2**63 - 1
 _TICK_BITS = 32
 _ID_BITS = 40
-_ARRAYS = ("slot_ids", "count", "last", "first", "data", "scale")
+_ARRAYS = ("slot_ids", "count", "last", "first", "demoted", "data", "scale")
 
 
 @dataclass(kw_only=True)
@@ -180,6 +180,17 @@ class CachedFeatureStore(FeatureStore):
         self._slot_ids[slot] = -1
         self._id_to_slot[ids] = -1
 
+    def demote(self, ids: torch.Tensor) -> int:
+        """Hint that `ids` will not be read again soon: cached ones are evicted first (after
+        empty slots) unless read before then. Returns how many cached ids were demoted."""
+        ids = _check_ids(ids, "CachedFeatureStore.demote").to(self.device)
+        ids = ids[ids < self._id_to_slot.shape[0]]
+        slot = self._id_to_slot[ids]
+        slot = slot[slot >= 0]
+        self._demoted[slot] = True
+        self._stats["demoted"] += int(slot.shape[0])
+        return int(slot.shape[0])
+
     def resize(self, *, capacity: int | None = None, ratio: float | None = None) -> None:
         """Change the size; shrinking keeps the slots the policy values most."""
         self.config = replace(self.config, capacity=capacity, ratio=ratio)
@@ -203,7 +214,7 @@ class CachedFeatureStore(FeatureStore):
 
     def reset_stats(self) -> None:
         self._stats = dict.fromkeys(
-            ("hits", "misses", "requests", "rows", "evictions", "bytes_h2d_miss",
+            ("hits", "misses", "requests", "rows", "evictions", "demoted", "bytes_h2d_miss",
              "bytes_h2d_write", "bytes_h2d_restore"),
             0,
         )  # fmt: skip
@@ -214,24 +225,15 @@ class CachedFeatureStore(FeatureStore):
     def state_dict(self) -> dict:
         c = self._capacity
         cpu = lambda x: x[:c].cpu().clone() if x is not None else None
-        return {
-            "tick": self._tick,
-            "capacity": c,
-            "slot_ids": cpu(self._slot_ids),
-            "count": cpu(self._count),
-            "last": cpu(self._last),
-            "first": cpu(self._first),
-            "data": cpu(self._data),
-            "scale": cpu(self._scale),
-            "stats": dict(self._stats),
-        }
+        arrays = {name: cpu(x) for name, x in zip(_ARRAYS, self._arrays(), strict=True)}
+        return {"tick": self._tick, "capacity": c, **arrays, "stats": dict(self._stats)}
 
     def load_state_dict(self, state: dict) -> None:
         c = state["capacity"]
         self._allocate(c)
-        for name in ("slot_ids", "count", "last", "first", "data", "scale"):
-            if getattr(self, "_" + name) is not None:
-                getattr(self, "_" + name)[:c] = state[name].to(self.device)
+        for name, x in zip(_ARRAYS, self._arrays(), strict=True):
+            if x is not None:
+                x[:c] = state[name].to(self.device)
         self._capacity = c
         self._used = c
         self._tick = state["tick"]
@@ -273,6 +275,7 @@ class CachedFeatureStore(FeatureStore):
     def _touch(self, slots: torch.Tensor, counts: torch.Tensor) -> None:
         self._count[slots] += counts
         self._last[slots] = self._tick
+        self._demoted[slots] = False  # read again: the hint was wrong
 
     def _admit(
         self,
@@ -334,6 +337,7 @@ class CachedFeatureStore(FeatureStore):
         self._count[victims] = counts
         self._last[victims] = self._tick
         self._first[victims] = self._tick
+        self._demoted[victims] = False
 
     def _eviction_keys(self) -> torch.Tensor:
         """Per slot, smaller is evicted first; empty slots come before any other."""
@@ -348,6 +352,7 @@ class CachedFeatureStore(FeatureStore):
             key = (self._count[:c].clamp(max=2**30) << _TICK_BITS) + self._last[:c]
         else:
             key = ids.clone()
+        key.masked_fill_(self._demoted[:c], _EMPTY_KEY + 1)
         return key.masked_fill_(ids < 0, _EMPTY_KEY)
 
     # ---- writes -------------------------------------------------------------------------------
@@ -396,6 +401,7 @@ class CachedFeatureStore(FeatureStore):
         self._count = torch.zeros(slots, dtype=torch.int64, device=dev)
         self._last = torch.zeros(slots, dtype=torch.int64, device=dev)
         self._first = torch.zeros(slots, dtype=torch.int64, device=dev)
+        self._demoted = torch.zeros(slots, dtype=torch.bool, device=dev)
         probe = self.store.fetch(torch.zeros(0, dtype=torch.int64))
         self._data = torch.zeros((slots, self.dim), dtype=probe.data.dtype, device=dev)
         self._scale = None
@@ -405,10 +411,9 @@ class CachedFeatureStore(FeatureStore):
     def _reallocate(self, slots: int) -> None:
         """Grow the slot arrays to `slots`, keeping contents (slot numbers do not change)."""
         c = self._capacity
-        keep = [self._slot_ids, self._count, self._last, self._first, self._data, self._scale]
+        keep = self._arrays()
         self._allocate(slots)
-        new = [self._slot_ids, self._count, self._last, self._first, self._data, self._scale]
-        for old_t, new_t in zip(keep, new, strict=True):
+        for old_t, new_t in zip(keep, self._arrays(), strict=True):
             if old_t is not None:
                 new_t[:c] = old_t[:c]
 
@@ -416,16 +421,19 @@ class CachedFeatureStore(FeatureStore):
         """Keep the `target` slots with the largest eviction keys, compacted to the front."""
         order = torch.topk(self._eviction_keys(), target, largest=True, sorted=False).indices
         gone = self._capacity - target
-        arrays = [self._slot_ids, self._count, self._last, self._first, self._data, self._scale]
-        kept = [a[order] if a is not None else None for a in arrays]
+        kept = [a[order] if a is not None else None for a in self._arrays()]
         self._allocate(target)
-        for name, value in zip(_ARRAYS, kept, strict=True):
+        for new, value in zip(self._arrays(), kept, strict=True):
             if value is not None:
-                getattr(self, "_" + name)[:target] = value
+                new[:target] = value
         self._capacity = target
         self._used = target
         self._stats["evictions"] += gone
         self._rebuild_index()
+
+    def _arrays(self) -> list[torch.Tensor | None]:
+        """The per-slot arrays, in `_ARRAYS` order."""
+        return [getattr(self, "_" + name) for name in _ARRAYS]
 
     def _clear(self) -> None:
         ids = self._slot_ids[: self._capacity]
@@ -467,3 +475,102 @@ def _rank_for_restore(
         order = order[torch.argsort(counts[order], descending=True, stable=True)]
     order = order[:capacity]
     return uniq[order], counts[order]
+
+
+class RecentWindowTracker:
+    """Finds edges a `recent` sampler with fanout <= `window` can no longer return.
+
+    Such a sampler only returns, for a root, some of its `window` newest edges before the
+    root's time; as roots' times only grow, an edge that has `window` newer edges at each of
+    its endpoints is never sampled again, so its features can leave the cache first
+    (`CachedFeatureStore.demote`). Give edges in stream order, as the graph receives them
+    (within a batch, ties in time keep their order; a batch older than earlier ones makes the
+    hint inexact, never the cache wrong). Per node a ring of its `window` newest eids; per
+    edge the number of endpoint lists it is still live in. Vectorized per batch.
+    """
+
+    def __init__(self, window: int, add_reverse: bool = True, device: str = "cpu") -> None:
+        if int(window) != window or window < 1:
+            raise ValueError(
+                f"RecentWindowTracker: window must be a positive integer, got {window}"
+            )
+        self.window = int(window)
+        self.add_reverse = add_reverse
+        self.device = torch.device(device)
+        self._ring = torch.full((0, self.window), -1, dtype=torch.int64, device=self.device)
+        self._degree = torch.zeros(0, dtype=torch.int64, device=self.device)
+        self._live = torch.zeros(0, dtype=torch.int8, device=self.device)
+
+    def add_edges(
+        self, src: torch.Tensor, dst: torch.Tensor, eid: torch.Tensor, t: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Record a batch of edges; returns the (sorted) eids that just left every window."""
+        src, dst, eid = (_check_ids(x, "RecentWindowTracker.add_edges") for x in (src, dst, eid))
+        src, dst, eid = (x.to(self.device) for x in (src, dst, eid))
+        if t is not None:  # stable: ties keep their order
+            order = torch.sort(t.to(self.device), stable=True).indices
+            src, dst, eid = src[order], dst[order], eid[order]
+        if eid.numel() == 0:
+            return eid
+        node, entry = self._entries(src, dst, eid)
+        self._grow(int(node.max()) + 1, int(eid.max()) + 1)
+        self._live[eid] = 0
+        self._live.index_add_(0, entry, torch.ones_like(entry, dtype=torch.int8))
+        leaving = self._update_rings(node, entry)
+        self._live.index_add_(0, leaving, torch.full_like(leaving, -1, dtype=torch.int8))
+        leaving = torch.unique(leaving)
+        return leaving[self._live[leaving] == 0]
+
+    def _entries(self, src, dst, eid) -> tuple[torch.Tensor, torch.Tensor]:
+        """(node, eid) list entries in insertion order, as the graph stores them."""
+        if not self.add_reverse:
+            return src, eid
+        return torch.stack([src, dst], 1).flatten(), eid.repeat_interleave(2)
+
+    def _update_rings(self, node: torch.Tensor, entry: torch.Tensor) -> torch.Tensor:
+        """Push entries into their nodes' rings; returns eids pushed out (one per list left)."""
+        k = self.window
+        order = torch.sort(node, stable=True).indices
+        node, entry = node[order], entry[order]
+        nodes, first, count = _groups(node)
+        rank = torch.arange(node.shape[0], device=node.device) - first.repeat_interleave(count)
+        before = self._degree[nodes]  # d: list length before the batch
+        after = before + count
+        # positions [max(0, d-k), max(0, d+c-k)) leave: old ones from the ring, new ones directly
+        pos_uk = (before - k).clamp(min=0).unsqueeze(1) + torch.arange(k, device=node.device)
+        old_out = pos_uk < torch.minimum(before, after - k).unsqueeze(1)
+        ring_out = self._ring[nodes.unsqueeze(1).expand(-1, k)[old_out], pos_uk[old_out] % k]
+        pos = before.repeat_interleave(count) + rank
+        stays = pos >= (after - k).repeat_interleave(count)
+        self._ring[node[stays], pos[stays] % k] = entry[stays]
+        self._degree[nodes] = after
+        return torch.cat([ring_out, entry[~stays]])
+
+    def _grow(self, num_nodes: int, num_eids: int) -> None:
+        if num_nodes > self._degree.shape[0]:
+            size = max(num_nodes, 2 * self._degree.shape[0])
+            ring = torch.full((size, self.window), -1, dtype=torch.int64, device=self.device)
+            ring[: self._ring.shape[0]] = self._ring
+            degree = torch.zeros(size, dtype=torch.int64, device=self.device)
+            degree[: self._degree.shape[0]] = self._degree
+            self._ring, self._degree = ring, degree
+        if num_eids > self._live.shape[0]:
+            live = torch.zeros(max(num_eids, 2 * self._live.shape[0]), dtype=torch.int8,
+                               device=self.device)  # fmt: skip
+            live[: self._live.shape[0]] = self._live
+            self._live = live
+
+    def state_dict(self) -> dict:
+        return {"ring": self._ring.cpu(), "degree": self._degree.cpu(), "live": self._live.cpu()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._ring = state["ring"].to(self.device)
+        self._degree = state["degree"].to(self.device)
+        self._live = state["live"].to(self.device)
+
+
+def _groups(sorted_keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Distinct values of a sorted tensor, the position of each one's first entry, counts."""
+    keys, count = torch.unique_consecutive(sorted_keys, return_counts=True)
+    first = torch.cumsum(count, 0) - count
+    return keys, first, count
