@@ -142,17 +142,31 @@ class Segment:
 
     def lower_bound(self, lo: torch.Tensor, hi: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
         """First position p in [lo, hi) with t[p] >= bound (hi when none): edges before it are
-        strictly older than `bound`."""
-        if self.num_edges == 0:
+        strictly older than `bound`.
+
+        Ranges whose edges are all older (the usual case when training on the newest events) or
+        all newer than the bound are answered directly; only the others enter the binary
+        search, with as many steps as the widest of them needs.
+        """
+        if self.num_edges == 0 or lo.numel() == 0:
             return lo
-        lo, hi = lo.clone(), hi.clone()
-        for _ in range(max(self.max_degree, 1).bit_length()):
+        last = self.num_edges - 1
+        first_new = self.t[lo.clamp(max=last)] >= bound
+        last_old = self.t[(hi - 1).clamp(min=0)] < bound
+        out = torch.where(last_old, hi, lo)
+        split = ((hi - lo) > 1) & ~first_new & ~last_old
+        rows = split.nonzero().squeeze(1)
+        if rows.numel() == 0:
+            return out
+        lo, hi, bound = lo[rows], hi[rows], bound[rows]
+        lo += 1  # t[lo] < bound is known: the answer lies in (lo, hi - 1]
+        hi -= 1
+        for _ in range(int((hi - lo).max()).bit_length()):
             mid = (lo + hi) >> 1
-            older = self.t[mid.clamp(max=self.num_edges - 1)] < bound
-            open_ = lo < hi
-            lo = torch.where(open_ & older, mid + 1, lo)
-            hi = torch.where(open_ & ~older, mid, hi)
-        return lo
+            older = self.t[mid] < bound
+            lo = torch.where(older, mid + 1, lo)
+            hi = torch.where(older, hi, mid)
+        return out.index_put_((rows,), lo)
 
     def drop_before(self, t: float) -> Segment | None:
         """A copy without edges older than `t`, or None when nothing is left."""
