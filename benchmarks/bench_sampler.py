@@ -104,7 +104,10 @@ def main() -> None:
     p.add_argument("--edges", default="1_000_000")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     rows = []
     for num_edges in (int(x.replace("_", "")) for x in args.edges.split(",")):
         g, events, t = build(num_edges, args.device)

@@ -198,3 +198,28 @@ def test_uva_view_reads_host_memory_from_cuda():
     host[3] = -7  # the view aliases the host memory: no copy was made
     torch.cuda.synchronize()
     assert int(view[3]) == -7
+
+
+def test_failed_compaction_leaves_a_valid_graph(monkeypatch, caplog):
+    from tidegraph.storage.segment import Segment
+
+    g, ref = DynamicGraph(), ReferenceGraph()
+    g.add_edges([0, 1], [1, 2], [1.0, 2.0])
+    ref.add_edges([0, 1], [1, 2], [1.0, 2.0])
+
+    def fail(*_):
+        raise MemoryError("simulated")
+
+    monkeypatch.setattr(Segment, "merge", staticmethod(fail))
+    g.add_edges([2, 0], [0, 2], [3.0, 4.0])  # equal sizes: triggers the merge, which fails
+    ref.add_edges([2, 0], [0, 2], [3.0, 4.0])
+    assert "compaction postponed: simulated" in caplog.text
+    monkeypatch.undo()
+    assert g.num_edges == 4 and len(g.segments) == 2
+    for v in range(3):
+        assert _neighbors(g, v) == ref.neighbors(v)
+    g.add_edges([1, 2], [0, 2], [5.0, 6.0])  # and the graph goes on compacting later
+    ref.add_edges([1, 2], [0, 2], [5.0, 6.0])
+    assert len(g.segments) == 1
+    for v in range(3):
+        assert _neighbors(g, v) == ref.neighbors(v)

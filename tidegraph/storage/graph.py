@@ -93,20 +93,26 @@ class DynamicGraph:
             t, eid = t.repeat_interleave(2), eid.repeat_interleave(2)
         else:
             node, nbr = src, dst
-        self._push(Segment.build(node, nbr, t, eid))
-        self.num_nodes = max(self.num_nodes, int(torch.maximum(src.max(), dst.max())) + 1)
-        self.num_edges += n
-        self._next_eid = max(self._next_eid, int(eid.max()) + 1)
+        segment = self._place(Segment.build(node, nbr, t, eid))
+        num_nodes = max(self.num_nodes, int(torch.maximum(src.max(), dst.max())) + 1)
+        next_eid = max(self._next_eid, int(eid.max()) + 1)
+        # commit point: nothing above changed the graph, nothing below can leave it half-updated
+        self.segments.append(segment)
+        self.num_nodes, self.num_edges, self._next_eid = num_nodes, self.num_edges + n, next_eid
+        try:
+            self._compact()
+        except (MemoryError, torch.OutOfMemoryError) as exc:  # the batch is stored; merge later
+            log.warning("compaction postponed: %s; the graph stays valid, less compacted", exc)
 
-    def _push(self, segment: Segment) -> None:
-        self.segments.append(self._place(segment))
+    def _compact(self) -> None:
+        """Merge the newest two segments while the older is no larger. Each merge replaces its
+        inputs only once the merged segment exists, so a failure (out of memory) leaves a valid,
+        less compacted graph."""
         while len(self.segments) >= 2 and (
             self.segments[-2].num_edges <= self.segments[-1].num_edges
         ):
-            newer = self.segments.pop()
-            older = self.segments.pop()
-            merged = Segment.merge(older, newer)
-            self.segments.append(self._place(merged))
+            merged = self._place(Segment.merge(self.segments[-2], self.segments[-1]))
+            self.segments[-2:] = [merged]
 
     def _place(self, segment: Segment) -> Segment:
         """Pinned placement: move to pinned host memory, keep CUDA views of it for queries."""
