@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tidegraph.models import MODELS, TGN, ModelConfig, TGNMemory, build_model
+from tidegraph.models import MODELS, TGN, ModelConfig, TGNMemory, TimeEncoder, build_model
 from tidegraph.models.base import link_roots
 from tidegraph.models.layers import TemporalAttention, blocks_bottom_up
 from tidegraph.sampling import Block, TemporalSampler
@@ -63,7 +63,7 @@ def _block(dst_ids, nbr_ids, mask, t=10.0):
     )
 
 
-def test_bottom_up_places_next_hop_results_in_the_masked_slots():
+def test_bottom_up_passes_the_next_hops_results_as_valid_slots():
     mask0 = torch.tensor([[True, False, True], [False, False, False]])
     b0 = _block(torch.tensor([5, 6]), torch.tensor([[1, 0, 2], [0, 0, 0]]), mask0)
     roots1, _ = b0.next_roots()  # 5, 6, 1, 2
@@ -71,30 +71,43 @@ def test_bottom_up_places_next_hop_results_in_the_masked_slots():
     seen = {}
 
     def h0(ids):
-        return ids.float().unsqueeze(-1) * (ids >= 0).unsqueeze(-1)
+        return ids.float().unsqueeze(-1)
 
     def layer(i, block, h_root, h_nbr):
         seen[i] = (h_root.clone(), h_nbr.clone())
         return h_root * 10
 
     out = blocks_bottom_up([b0, b1], h0, layer)
+    assert seen[0][1].shape == (0, 1)  # b1 has no valid slot
     assert seen[1][0].squeeze(-1).tolist() == [50.0, 60.0]
-    assert seen[1][1].squeeze(-1).tolist() == [[10.0, 0.0, 20.0], [0.0, 0.0, 0.0]]
+    assert seen[1][1].squeeze(-1).tolist() == [10.0, 20.0]  # slots (0, 0) and (0, 2)
     assert out.squeeze(-1).tolist() == [500.0, 600.0]
 
 
-def test_attention_ignores_invalid_slots_and_handles_empty_rows():
+def test_attention_matches_a_dense_reference_and_handles_empty_rows():
     torch.manual_seed(0)
-    att = TemporalAttention(4, 3, 0, 8, heads=2)
-    mask = torch.tensor([[True, False], [False, False]])
-    h_root, h_nbr = torch.randn(2, 4), torch.randn(2, 2, 4)
-    phi0, phi = torch.randn(3), torch.randn(2, 2, 3)
-    e = torch.zeros(2, 2, 0)
-    out = att(h_root, h_nbr, phi0, phi, e, mask)
-    h_nbr2 = h_nbr.clone()
-    h_nbr2[~mask] = 1e6  # garbage in invalid slots changes nothing
+    enc = TimeEncoder(3)
+    att = TemporalAttention(4, enc, 2, 8, heads=2)
+    mask = torch.tensor([[True, False, True], [False, False, False], [True, True, True]])
+    r, k = mask.shape
+    h_root, h_all = torch.randn(r, 4), torch.randn(r, k, 4)
+    dt_all, e_all = torch.rand(r, k) * 10, torch.randn(r, k, 2)
+    out = att(h_root, h_all[mask], dt_all[mask], e_all[mask], mask)
     assert torch.isfinite(out).all()
-    torch.testing.assert_close(att(h_root, h_nbr2, phi0, phi, e, mask), out)
+    # reference: one linear map over the concatenation, softmax over each row's valid slots
+    w = torch.cat([att.kv.weight, att.kv_time.weight, att.kv_edge.weight], 1)
+    kv = torch.cat([h_all, enc(dt_all), e_all], -1) @ w.T + att.kv.bias
+    q = att.q(torch.cat([h_root, enc(torch.zeros(r))], -1)).view(r, 2, 4)
+    key, val = kv.view(r, k, 2, 2, 4).unbind(2)
+    rows = []
+    for i in range(r):
+        if not mask[i].any():
+            rows.append(torch.zeros(8))
+            continue
+        s = torch.einsum("hd,khd->hk", q[i], key[i][mask[i]]) / 2.0
+        rows.append(torch.einsum("hk,khd->hd", s.softmax(-1), val[i][mask[i]]).flatten())
+    ref = att.norm(att.merge(torch.cat([torch.stack(rows), h_root], -1)))
+    torch.testing.assert_close(out, ref)
 
 
 def test_memory_keeps_latest_event_per_node_even_unsorted():

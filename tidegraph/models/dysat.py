@@ -35,7 +35,7 @@ class DySAT(TemporalModel):
         self.num_snapshots = num_snapshots
         self.node_input = NodeInput(num_nodes, dim, node_features, node_feat_dim)
         self.structural = nn.ModuleList(
-            TemporalAttention(dim, 0, 0, dim, heads) for _ in range(num_layers)
+            TemporalAttention(dim, None, 0, dim, heads) for _ in range(num_layers)
         )
         self.position = nn.Parameter(torch.randn(num_snapshots, dim) * 0.1)
         self.q = nn.Linear(dim, dim)
@@ -54,8 +54,7 @@ class DySAT(TemporalModel):
 
     def _structural(self, blocks: list) -> torch.Tensor:
         def layer(i, block, h_root, h_nbr):
-            empty = h_root.new_zeros(block.mask.shape + (0,))
-            return self.structural[i](h_root, h_nbr, h_root.new_zeros(0), empty, empty, block.mask)
+            return self.structural[i](h_root, h_nbr, block.dt[block.mask], None, block.mask)
 
         return blocks_bottom_up(blocks, self.node_input, layer)
 

@@ -1,9 +1,10 @@
 """Building blocks over dense [roots, fanout] neighbourhoods: node inputs, attention, mean.
 
-Every layer takes root states [R, D], neighbour states [R, K, D] and a validity mask [R, K];
-invalid slots may hold anything finite and are excluded through the mask, and a root without a
-valid neighbour gets a zero aggregate (never NaN). Multi-hop embedding is computed bottom-up
-with `spread_to_slots`, which places the next hop's results into the [R, K] slots of this one.
+Every layer takes root states [R, D] and the states of the *valid* neighbour slots only, [V, D]
+in row-major order of the mask (the order `Block.next_roots` lists them in, so the next hop's
+results need no scatter); per-slot work (projections, time encodings) runs on the V valid slots,
+and only the attention scores are laid out densely as [R, K]. A root without a valid neighbour
+gets a zero aggregate (never NaN).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ __all__ = [
     "NodeInput",
     "TemporalAttention",
     "MeanAggregator",
-    "spread_to_slots",
     "edge_features",
     "blocks_bottom_up",
 ]
@@ -49,13 +49,10 @@ class NodeInput(nn.Module):
         self.table = nn.Parameter(torch.cat([self.table.data, extra.to(self.table.device)]))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """States of `ids` (-1 allowed: a zero row)."""
-        safe = ids.clamp(min=0)
+        """States of `ids` (valid ids only)."""
         if self.table is not None:
-            out = self.table[safe]
-        else:
-            out = self.proj(self.features.get(safe).to(self.proj.weight.device))
-        return out * (ids >= 0).unsqueeze(-1).to(out.dtype)
+            return self.table[ids]
+        return self.proj(self.features.get(ids).to(self.proj.weight.device))
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         key = prefix + "table"
@@ -65,17 +62,27 @@ class NodeInput(nn.Module):
 
 
 class TemporalAttention(nn.Module):
-    """TGAT/TGN graph attention: query (root state, phi(0)), keys (nbr state, phi(dt), edge)."""
+    """TGAT/TGN graph attention: query (root state, phi(0)), keys (nbr state, phi(dt), edge).
+
+    The key/value projection of [state, phi(dt), edge] is split into one linear map per part
+    (the same function as one map over the concatenation) so no per-slot concat is built.
+    `time_enc` None means no time features (DySAT's structural attention).
+    """
 
     def __init__(
-        self, in_dim: int, time_dim: int, edge_dim: int, out_dim: int, heads: int = 2
+        self, in_dim: int, time_enc: nn.Module | None, edge_dim: int, out_dim: int, heads: int = 2
     ) -> None:
         super().__init__()
         if out_dim % heads:
             raise ValueError(f"TemporalAttention: out_dim {out_dim} not divisible by {heads}")
         self.heads = heads
+        self.out_dim = out_dim
+        self.time_enc = time_enc
+        time_dim = time_enc.dim if time_enc is not None else 0
         self.q = nn.Linear(in_dim + time_dim, out_dim)
-        self.kv = nn.Linear(in_dim + time_dim + edge_dim, 2 * out_dim)
+        self.kv = nn.Linear(in_dim, 2 * out_dim)
+        self.kv_time = nn.Linear(time_dim, 2 * out_dim, bias=False) if time_dim else None
+        self.kv_edge = nn.Linear(edge_dim, 2 * out_dim, bias=False) if edge_dim else None
         self.merge = nn.Sequential(
             nn.Linear(out_dim + in_dim, out_dim), nn.ReLU(), nn.Linear(out_dim, out_dim)
         )
@@ -84,21 +91,30 @@ class TemporalAttention(nn.Module):
     def forward(
         self,
         h_root: torch.Tensor,  # [R, Din]
-        h_nbr: torch.Tensor,  # [R, K, Din]
-        phi_zero: torch.Tensor,  # [Dt]
-        phi_dt: torch.Tensor,  # [R, K, Dt]
-        e_feat: torch.Tensor,  # [R, K, De]
+        h_nbr: torch.Tensor,  # [V, Din], valid slots in row-major order
+        dt: torch.Tensor,  # [V] time since each neighbour's edge
+        e_feat: torch.Tensor | None,  # [V, De] or None
         mask: torch.Tensor,  # [R, K]
     ) -> torch.Tensor:
         r, k = mask.shape
-        h = self.heads
-        q_R = self.q(torch.cat([h_root, phi_zero.expand(r, -1)], -1)).view(r, h, -1)
-        k_RK, v_RK = self.kv(torch.cat([h_nbr, phi_dt, e_feat], -1)).view(r, k, h, -1).chunk(2, -1)
-        score = torch.einsum("rhd,rkhd->rhk", q_R, k_RK) / q_R.shape[-1] ** 0.5
-        keep = mask.unsqueeze(1)
-        score = score.masked_fill(~keep, torch.finfo(score.dtype).min)
-        attn = torch.softmax(score, -1) * keep.to(score.dtype)  # empty rows -> zeros
-        agg = torch.einsum("rhk,rkhd->rhd", attn, v_RK).reshape(r, -1)
+        h, d = self.heads, self.out_dim // self.heads
+        query = h_root
+        kv = self.kv(h_nbr)
+        if self.time_enc is not None:
+            phi_zero = self.time_enc(dt.new_zeros(1)).expand(r, -1)
+            query = torch.cat([h_root, phi_zero], -1)
+            kv = kv + self.kv_time(self.time_enc(dt))
+        if self.kv_edge is not None and e_feat is not None:
+            kv = kv + self.kv_edge(e_feat)
+        row = mask.nonzero()[:, 0]  # root of each valid slot (row-major, like h_nbr)
+        k_V, v_V = kv.view(-1, 2, h, d).unbind(1)
+        q_V = self.q(query).view(r, h, d)[row]
+        score_V = (q_V * k_V).sum(-1) / d**0.5  # [V, H]
+        # softmax over each root's valid slots, laid out densely only as [R, K, H] scores
+        fill = torch.finfo(score_V.dtype).min
+        score = score_V.new_full((r, k, h), fill).index_put((mask,), score_V)
+        attn_V = torch.softmax(score, 1)[mask]  # [V, H]
+        agg = kv.new_zeros(r, h, d).index_add(0, row, attn_V.unsqueeze(-1) * v_V).view(r, -1)
         return self.norm(self.merge(torch.cat([agg, h_root], -1)))
 
 
@@ -110,44 +126,33 @@ class MeanAggregator(nn.Module):
         self.lin = nn.Linear(2 * in_dim, out_dim)
 
     def forward(self, h_root: torch.Tensor, h_nbr: torch.Tensor, mask: torch.Tensor):
-        w = mask.unsqueeze(-1).to(h_nbr.dtype)
-        mean = (h_nbr * w).sum(1) / w.sum(1).clamp(min=1)
-        return self.lin(torch.cat([h_root, mean], -1))
+        slots = h_nbr.new_zeros(mask.shape + (h_nbr.shape[-1],)).index_put((mask,), h_nbr)
+        count = mask.sum(1, keepdim=True).clamp(min=1).to(h_nbr.dtype)
+        return self.lin(torch.cat([h_root, slots.sum(1) / count], -1))
 
 
-def spread_to_slots(block: Block, below: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split the next hop's per-root results into (this hop's roots [R, D], slots [R, K, D]).
-
-    `below` holds one row per root of the next hop, whose roots are this block's roots followed
-    by its valid neighbours in row-major order (`Block.next_roots`).
-    """
-    r, k = block.mask.shape
-    slots = below.new_zeros((r, k) + tuple(below.shape[1:]))
-    slots[block.mask] = below[r:]
-    return below[:r], slots
-
-
-def edge_features(store, edge_dim: int, eids: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """[..., edge_dim] features of `eids` (-1: zeros); zero-width when there are none."""
+def edge_features(store, edge_dim: int, eids: torch.Tensor, like: torch.Tensor):
+    """[n, edge_dim] features of valid `eids` (all >= 0); None when there are none."""
     if edge_dim == 0 or store is None:
-        return like.new_zeros(tuple(eids.shape) + (edge_dim,))
-    feat = store.get(eids.clamp(min=0).flatten()).to(like.device, like.dtype)
-    feat = feat.view(tuple(eids.shape) + (edge_dim,))
-    return feat * (eids >= 0).unsqueeze(-1).to(feat.dtype)
+        return None
+    return store.get(eids).to(like.device, like.dtype)
 
 
 def blocks_bottom_up(blocks: list[Block], h0, layer_fn) -> torch.Tensor:
     """Embeddings of blocks[0]'s roots after len(blocks) layers, computed bottom-up.
 
-    `h0(ids)` gives layer-0 states; `layer_fn(l, block, h_root, h_nbr)` applies layer l (0 is the
-    bottom) to one block and returns one row per root.
+    `h0(ids)` gives layer-0 states of valid ids; `layer_fn(l, block, h_root, h_nbr)` applies
+    layer l (0 is the bottom) to one block, with `h_nbr` the states of its valid neighbour
+    slots in row-major order, and returns one row per root. The next hop's roots are this hop's
+    roots followed by its valid neighbours, so its output splits into (roots, valid slots).
     """
     depth = len(blocks)
     last = blocks[-1]
-    h_root, h_nbr = h0(last.dst_ids), h0(last.nbr_ids)
+    h_root, h_nbr = h0(last.dst_ids), h0(last.nbr_ids[last.mask])
     for layer in range(depth):
         block = blocks[depth - 1 - layer]
         out = layer_fn(layer, block, h_root, h_nbr)
         if layer + 1 < depth:
-            h_root, h_nbr = spread_to_slots(blocks[depth - 2 - layer], out)
+            r = blocks[depth - 2 - layer].num_roots
+            h_root, h_nbr = out[:r], out[r:]
     return out

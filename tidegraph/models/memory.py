@@ -114,7 +114,7 @@ class TGNMemory(nn.Module):
         self.has_msg[uniq] = True
         self.msg_other[uniq] = other[row]
         self.msg_t[uniq] = times[row]
-        if self.edge_dim:
+        if self.edge_dim and feat is not None:
             self.msg_feat[uniq] = feat.to(self.msg_feat.dtype)[row // 2]
 
     # ---- state ----------------------------------------------------------------------------

@@ -35,15 +35,13 @@ class TGAT(TemporalModel):
         self.node_input = NodeInput(num_nodes, dim, node_features, node_feat_dim)
         self.time_enc = TimeEncoder(time_dim)
         self.layers = nn.ModuleList(
-            TemporalAttention(dim, time_dim, edge_dim, dim, heads) for _ in range(num_layers)
+            TemporalAttention(dim, self.time_enc, edge_dim, dim, heads) for _ in range(num_layers)
         )
 
     def embed(self, ids: torch.Tensor, ts: torch.Tensor, blocks: list) -> torch.Tensor:
-        phi_zero = self.time_enc(torch.zeros((), device=ids.device))
-
         def layer(i, block, h_root, h_nbr):
-            e = edge_features(self.edge_store, self.edge_dim, block.nbr_eids, h_root)
-            return self.layers[i](h_root, h_nbr, phi_zero, self.time_enc(block.dt), e, block.mask)
+            e = edge_features(self.edge_store, self.edge_dim, block.nbr_eids[block.mask], h_root)
+            return self.layers[i](h_root, h_nbr, block.dt[block.mask], e, block.mask)
 
         return blocks_bottom_up(blocks, self.node_input, layer)
 

@@ -36,27 +36,22 @@ class TGN(TemporalModel):
         self.memory = TGNMemory(num_nodes, memory_dim, time_dim, edge_dim)
         self.time_enc = TimeEncoder(time_dim)
         self.layers = nn.ModuleList(
-            TemporalAttention(memory_dim if i == 0 else dim, time_dim, edge_dim, dim, heads)
+            TemporalAttention(memory_dim if i == 0 else dim, self.time_enc, edge_dim, dim, heads)
             for i in range(num_layers)
         )
         self._stash = None
 
     def embed(self, ids: torch.Tensor, ts: torch.Tensor, blocks: list) -> torch.Tensor:
-        touched = torch.cat([ids] + [b.nbr_ids.flatten() for b in blocks]).clamp(min=0)
-        n_id = torch.unique(touched)
+        n_id = torch.unique(torch.cat([ids] + [b.nbr_ids[b.mask] for b in blocks]))
         mem, last = self.memory.updated(n_id)
         self._stash = (n_id, mem, last)
 
         def h0(x: torch.Tensor) -> torch.Tensor:
-            pos = torch.searchsorted(n_id, x.clamp(min=0))
-            return mem[pos] * (x >= 0).unsqueeze(-1).to(mem.dtype)
-
-        phi_zero = self.time_enc(torch.zeros((), device=ids.device))
+            return mem[torch.searchsorted(n_id, x)]
 
         def layer(i, block, h_root, h_nbr):
-            e = edge_features(self.edge_store, self.edge_dim, block.nbr_eids, h_root)
-            phi = self.time_enc(block.dt)
-            return self.layers[i](h_root, h_nbr, phi_zero, phi, e, block.mask)
+            e = edge_features(self.edge_store, self.edge_dim, block.nbr_eids[block.mask], h_root)
+            return self.layers[i](h_root, h_nbr, block.dt[block.mask], e, block.mask)
 
         return blocks_bottom_up(blocks, h0, layer)
 
@@ -68,9 +63,7 @@ class TGN(TemporalModel):
             self.memory.commit(*self._stash)
             self._stash = None
         if events is not None and len(events):
-            feat = None
-            if self.edge_dim:
-                feat = edge_features(self.edge_store, self.edge_dim, events.eid, self.memory.memory)
+            feat = edge_features(self.edge_store, self.edge_dim, events.eid, self.memory.memory)
             self.memory.observe(events.src, events.dst, events.t, feat)
 
     def discard(self) -> None:

@@ -222,7 +222,8 @@ class ContinualLearner:
     # ---- passes ---------------------------------------------------------------------------
 
     def _new_optimizer(self) -> torch.optim.Optimizer:
-        return torch.optim.Adam(self.model.parameters(), lr=self.config.train.lr)
+        # fused Adam: one kernel for all parameters (CPU and CUDA)
+        return torch.optim.Adam(self.model.parameters(), lr=self.config.train.lr, fused=True)
 
     def ingest(self, start: int, end: int) -> None:
         if end <= self.ingested:

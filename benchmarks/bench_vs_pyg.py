@@ -1,0 +1,251 @@
+"""tidegraph's TGN against PyTorch Geometric's TGN on the same data, split, batches and machine.
+
+The PyG side follows the structure of PyG's examples/tgn.py (written here, not copied):
+TGNMemory with IdentityMessage and LastAggregator, LastNeighborLoader(size=10), a one-layer
+TransformerConv graph-attention embedding whose edge attributes are the time encoding of
+(last update - edge time) and the raw message, and an MLP link predictor; Adam over all of it,
+one random negative destination per positive, memory and neighbour loader reset each epoch.
+The tidegraph side is `ContinualLearner`'s offline passes with model `tgn`.
+
+Both train on the first 70% by time, validate on the next 15% and test on the last 15%, with
+batches of 200 and the same learning rate. Epochs alternate between the two (ours, PyG, ours,
+...) so that load from other processes on a shared machine hits both alike. Printed: test AP
+and AUC (one negative per positive) and the mean training-epoch time of each; JSON goes to
+benchmarks/out/vs_pyg_<device>.json.
+
+Needs torch_geometric (not a tidegraph dependency): run it in an environment that has it,
+e.g. `python -m venv --system-site-packages /tmp/pygenv && /tmp/pygenv/bin/pip install
+torch_geometric && /tmp/pygenv/bin/python benchmarks/bench_vs_pyg.py`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common import machine, print_table, sync, write_json  # noqa: E402
+
+from tidegraph.training import ContinualLearner, RunConfig, load_stream  # noqa: E402
+from tidegraph.training.metrics import average_precision, roc_auc  # noqa: E402
+
+
+def _pyg():
+    try:
+        from torch_geometric.nn import TransformerConv
+        from torch_geometric.nn.models.tgn import (
+            IdentityMessage,
+            LastAggregator,
+            LastNeighborLoader,
+            TGNMemory,
+        )
+    except ImportError as err:  # pragma: no cover - depends on the environment
+        sys.exit(f"bench_vs_pyg needs torch_geometric ({err}); see the module docstring")
+    return TransformerConv, IdentityMessage, LastAggregator, LastNeighborLoader, TGNMemory
+
+
+class PygTGN:
+    """The PyG example's model and loop, over (src, dst, t, msg) tensors."""
+
+    def __init__(self, num_nodes: int, msg: torch.Tensor, t: torch.Tensor, device, lr: float):
+        conv_cls, message_cls, last_cls, loader_cls, memory_cls = _pyg()
+        dim = 100
+        self.device = device
+        self.msg, self.t = msg.to(device), t.long().to(device)  # PyG keeps int64 times
+        self.memory = memory_cls(
+            num_nodes,
+            msg.shape[1],
+            dim,
+            dim,
+            message_module=message_cls(msg.shape[1], dim, dim),
+            aggregator_module=last_cls(),
+        ).to(device)
+        self.conv = conv_cls(dim, dim // 2, heads=2, dropout=0.1, edge_dim=msg.shape[1] + dim).to(
+            device
+        )
+        self.pred = _PygLinkPredictor(dim).to(device)
+        self.loader = loader_cls(num_nodes, size=10, device=device)
+        params = set(self.memory.parameters()) | set(self.conv.parameters())
+        self.optimizer = torch.optim.Adam(params | set(self.pred.parameters()), lr=lr)
+        self.assoc = torch.empty(num_nodes, dtype=torch.long, device=device)
+
+    def _embed(self, n_id_in: torch.Tensor):
+        n_id, edge_index, e_id = self.loader(n_id_in)
+        self.assoc[n_id] = torch.arange(n_id.size(0), device=self.device)
+        z, last_update = self.memory(n_id)
+        rel_t = last_update[edge_index[0]] - self.t[e_id]
+        edge_attr = torch.cat([self.memory.time_enc(rel_t.to(z.dtype)), self.msg[e_id]], -1)
+        return self.conv(z, edge_index, edge_attr)
+
+    def _scores(self, src, dst, neg):
+        z = self._embed(torch.cat([src, dst, neg]).unique())
+        a = self.assoc
+        return self.pred(z[a[src]], z[a[dst]]), self.pred(z[a[src]], z[a[neg]])
+
+    def _observe(self, src, dst, t, e):
+        self.memory.update_state(src, dst, t, self.msg[e])
+        self.loader.insert(src, dst)
+
+    def train_epoch(self, batches) -> float:
+        self.memory.train(), self.conv.train(), self.pred.train()
+        self.memory.reset_state()
+        self.loader.reset_state()
+        bce = nn.BCEWithLogitsLoss()
+        for src, dst, t, e, neg in batches:
+            self.optimizer.zero_grad()
+            pos, negl = self._scores(src, dst, neg)
+            loss = bce(pos, torch.ones_like(pos)) + bce(negl, torch.zeros_like(negl))
+            self._observe(src, dst, t, e)
+            loss.backward()
+            self.optimizer.step()
+            self.memory.detach()
+        return float(loss)
+
+    @torch.no_grad()
+    def evaluate(self, batches) -> dict:
+        self.memory.eval(), self.conv.eval(), self.pred.eval()
+        pos_all, neg_all = [], []
+        for src, dst, t, e, neg in batches:
+            pos, negl = self._scores(src, dst, neg)
+            pos_all.append(pos.squeeze(-1).cpu())
+            neg_all.append(negl.squeeze(-1).cpu())
+            self._observe(src, dst, t, e)
+        pos, neg = torch.cat(pos_all), torch.cat(neg_all)
+        return {"ap": average_precision(pos, neg), "auc": roc_auc(pos, neg)}
+
+
+class _PygLinkPredictor(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.lin_src, self.lin_dst, self.lin_final = (
+            nn.Linear(dim, dim),
+            nn.Linear(dim, dim),
+            nn.Linear(dim, 1),
+        )
+
+    def forward(self, z_src, z_dst):
+        return self.lin_final((self.lin_src(z_src) + self.lin_dst(z_dst)).relu())
+
+
+def _pyg_batches(ev, lo, hi, size, dst_range, gen, device):
+    out = []
+    for s in range(lo, hi, size):
+        e = torch.arange(s, min(s + size, hi))
+        neg = torch.randint(dst_range[0], dst_range[1] + 1, (e.numel(),), generator=gen)
+        out.append(tuple(x.to(device) for x in (ev.src[e], ev.dst[e], ev.t[e].long(), e, neg)))
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dataset", default="wikipedia")
+    p.add_argument("--max-events", type=int, default=None)
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--batch-size", type=int, default=200)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (both sides)")
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    stream = load_stream(args.dataset, args.max_events)
+    ev = stream.events
+    n = len(ev)
+    train_end, val_end = int(0.70 * n), int(0.70 * n) + int(0.15 * n)
+    cfg = RunConfig.from_dict(
+        {
+            "model": {"name": "tgn"},
+            "train": {"batch_size": args.batch_size, "lr": args.lr, "epochs": args.epochs},
+            "seed": args.seed,
+            "device": args.device,
+            "out_dir": None,
+            "progress": False,
+        }
+    )
+    ours = ContinualLearner(cfg, stream)
+    ours.negatives.pool = torch.arange(int(ev.dst.min()), int(ev.dst.max()) + 1)
+    ours.ingest(0, n)
+    ours.negatives.pool = torch.arange(int(ev.dst.min()), int(ev.dst.max()) + 1)
+
+    torch.manual_seed(args.seed)
+    # PyG's message store cannot hold zero-width messages; one zero column carries nothing
+    msg = torch.zeros(n, max(stream.edge_dim, 1))
+    pyg = PygTGN(stream.num_nodes, msg, ev.t, device, args.lr)
+    gen = torch.Generator().manual_seed(args.seed)
+    dst_range = (int(ev.dst.min()), int(ev.dst.max()))
+    mk = lambda lo, hi: _pyg_batches(ev, lo, hi, args.batch_size, dst_range, gen, device)
+
+    times = {"tidegraph": [], "pyg": []}
+    for epoch in range(args.epochs):
+        ours.model.reset_state()
+        sync(device)
+        t0 = time.perf_counter()
+        ours.train_pass(0, train_end, f"tidegraph epoch {epoch + 1}")
+        sync(device)
+        times["tidegraph"].append(time.perf_counter() - t0)
+        ours.eval_pass(train_end, val_end, "tidegraph val", observe=True)
+        batches = mk(0, train_end)
+        sync(device)
+        t0 = time.perf_counter()
+        pyg.train_epoch(batches)
+        sync(device)
+        times["pyg"].append(time.perf_counter() - t0)
+        pyg.evaluate(mk(train_end, val_end))
+        print(
+            f"epoch {epoch + 1}: tidegraph {times['tidegraph'][-1]:.1f} s, "
+            f"PyG {times['pyg'][-1]:.1f} s",
+            flush=True,
+        )
+    ours_test = ours.eval_pass(val_end, n, "tidegraph test", observe=True)
+    pyg_test = pyg.evaluate(mk(val_end, n))
+    rows = [
+        {
+            "system": "tidegraph TGN",
+            "test_ap": ours_test["ap"],
+            "test_auc": ours_test["auc"],
+            "epoch_s": sum(times["tidegraph"]) / args.epochs,
+        },
+        {
+            "system": "PyG TGN",
+            "test_ap": pyg_test["ap"],
+            "test_auc": pyg_test["auc"],
+            "epoch_s": sum(times["pyg"]) / args.epochs,
+        },
+    ]
+    print(
+        f"\n{stream.name}: {n} events, split 70/15/15, batch {args.batch_size}, "
+        f"{args.epochs} epochs, lr {args.lr}, {machine()}"
+    )
+    print_table(rows)
+    speedup = rows[1]["epoch_s"] / rows[0]["epoch_s"]
+    ap_diff = 100 * (rows[0]["test_ap"] - rows[1]["test_ap"])
+    print(
+        f"epoch speedup (PyG / tidegraph): {speedup:.2f}x; "
+        f"AP difference (tidegraph - PyG): {ap_diff:+.2f} points"
+    )
+    path = write_json(
+        f"vs_pyg_{device.type}.json",
+        {
+            "dataset": stream.name,
+            "events": n,
+            "args": vars(args),
+            "rows": rows,
+            "epoch_times": times,
+            "speedup": speedup,
+            "tidegraph_test": ours_test,
+        },
+    )
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
