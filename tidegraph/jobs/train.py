@@ -16,6 +16,7 @@ import shutil
 import sys
 from pathlib import Path
 
+import torch
 import yaml
 
 from tidegraph.training.config import RunConfig
@@ -40,6 +41,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="output directory (metrics.jsonl, summary.json)")
     p.add_argument("--seed", type=int)
     p.add_argument("--device", help="cpu or cuda")
+    p.add_argument("--threads", type=int, help="torch CPU threads (1 is fastest on a busy box)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p
 
@@ -61,7 +63,12 @@ def parse_config(argv: list[str] | None = None) -> RunConfig:
         if getattr(args, flag) is not None:
             sections[section][key] = getattr(args, flag)
     raw.update(sections)
-    for flag, key in (("out", "out_dir"), ("seed", "seed"), ("device", "device")):
+    for flag, key in (
+        ("out", "out_dir"),
+        ("seed", "seed"),
+        ("device", "device"),
+        ("threads", "threads"),
+    ):
         if getattr(args, flag) is not None:
             raw[key] = getattr(args, flag)
     if args.mode:
@@ -80,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if config.out_dir and Path(config.out_dir).exists():
         shutil.rmtree(config.out_dir)  # a run's metrics.jsonl starts empty
+    if config.threads:
+        torch.set_num_threads(config.threads)
     log.info("config: %s", json.dumps(config.to_dict()))
     if config.mode == "offline":
         result = run_offline(config)

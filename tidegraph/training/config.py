@@ -146,6 +146,8 @@ class RunConfig:
     graph_device: str | None = None  # where the graph lives and sampling runs; None: device
     out_dir: str | None = "runs/latest"
     progress: bool = True
+    threads: int | None = None  # torch CPU threads; None: torch's default
+    deterministic: bool = True  # torch.use_deterministic_algorithms (see training.continual)
 
     def __post_init__(self) -> None:
         if self.mode not in ("continual", "offline"):
@@ -153,6 +155,8 @@ class RunConfig:
         a, b = self.offline_split
         if not (0 < a and 0 <= b and a + b < 1):
             raise ValueError(f"offline_split must be (train, val) with train + val < 1, got {a, b}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1 or None, got {self.threads}")
         if self.graph_device is None:
             self.graph_device = self.device
         layers = self.model.num_layers

@@ -19,11 +19,15 @@ optimizer, sampler, negative and replay generators, torch's global generator, th
 stream offset, the metric history), and a learner built from the same config that loads it
 continues bitwise as the original would on CPU.
 
-Determinism: on CPU, a seed fixes every draw and all kernels used are deterministic. On CUDA,
-`index_put`/`scatter` style accumulations in backward (embedding-row gathers, masked slot writes)
-use atomics, so parameters may differ in the last bits between runs unless
-`torch.use_deterministic_algorithms(True)` is set (slower); sampling, negatives and replay draws
-come from host or seeded generators and stay identical.
+Determinism: a seed fixes every draw (model init, sampler, negatives, replay, forgetting
+samples; generators other than the sampler's live on the host, so draws match across devices).
+Kernels: the backward of row gathers and `index_add` accumulate in parallel (CPU threads or CUDA
+atomics) in a nondeterministic order, so with `RunConfig.deterministic` (the default) the
+learner calls `torch.use_deterministic_algorithms(True, warn_only=True)`, a process-wide switch.
+On CPU that makes two runs with the same seed and thread count bitwise identical (tested). On
+CUDA it additionally needs `CUBLAS_WORKSPACE_CONFIG=:4096:8` in the environment; ops without a
+deterministic CUDA kernel only warn, so CUDA runs are reproducible up to last-bit differences,
+not guaranteed bitwise; sampling, negatives and replay choices stay identical there.
 """
 
 from __future__ import annotations
@@ -59,6 +63,8 @@ class ContinualLearner:
         self.device = torch.device(config.device)
         self.stream = stream or load_stream(config.data.dataset, config.data.max_events)
         self.events = self.stream.events
+        if config.deterministic:
+            torch.use_deterministic_algorithms(True, warn_only=True)
         torch.manual_seed(config.seed)
         self.graph = DynamicGraph(device=config.graph_device)
         s = config.sampler
