@@ -386,10 +386,17 @@ def test_dead_edges_are_never_sampled_again():
     assert dead.numel() > 0
 
 
-def test_tracker_sorts_by_time_and_keeps_state():
-    tracker = RecentWindowTracker(1)
-    out = tracker.add_edges(ids(0, 0), ids(1, 1), ids(0, 1), t=torch.tensor([5.0, 2.0]))
+def test_tracker_sorts_by_time_and_keeps_state(device):
+    tracker = RecentWindowTracker(1, device=device)
+    t = torch.tensor([5.0, 2.0])
+    out = tracker.add_edges(ids(0, 0), ids(1, 1), ids(0, 1), t=t)
     assert out.tolist() == [1]  # edge 1 is older, so edge 0 is the newest at both ends
-    copy = RecentWindowTracker(1)
+    copy = RecentWindowTracker(1, device=device)
     copy.load_state_dict(tracker.state_dict())
     assert copy.add_edges(ids(0), ids(1), ids(2)).tolist() == [0]
+
+
+def test_tracker_without_reverse_edges_follows_sources_only():
+    tracker = RecentWindowTracker(1, add_reverse=False)
+    assert tracker.add_edges(ids(0, 1), ids(5, 5), ids(0, 1)).tolist() == []
+    assert tracker.add_edges(ids(0), ids(5), ids(2)).tolist() == [0]

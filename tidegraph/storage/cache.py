@@ -27,6 +27,9 @@ Semantics (what the tests hold it to):
 - `enabled=False` (the default on a machine without CUDA when no device is named) makes it a
   pass-through with capacity 0: same code path, every id a miss. Naming `device="cpu"` with
   `enabled=True` caches on the CPU, which is how the eviction logic is tested without a GPU.
+- `demote(ids)` is a hint that ids will not be read soon: they go first (after empty slots)
+  unless read again. `RecentWindowTracker` finds such ids for a `recent` sampler: edges no
+  longer among the k newest of either endpoint can never be sampled again.
 - Stats: hits, misses, bytes copied from the store to the cache device (`bytes_h2d`; on a CPU
   cache these are host copies), host wall time of `get` (on CUDA without a final sync).
 """
