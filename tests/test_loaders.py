@@ -25,6 +25,7 @@ from tidegraph.storage.loaders import (
     open_events,
     read_node_features,
 )
+from tidegraph.storage.loaders_text import CsvSource
 
 
 def write(path: Path, text: str) -> Path:
@@ -433,3 +434,144 @@ def test_config_validation_names_the_field() -> None:
 def test_missing_file(tmp_path: Path) -> None:
     with pytest.raises(LoaderError, match="no such file"):
         open_events(tmp_path / "nope.csv")
+
+
+# ----------------------------------------------------------------------------- wide feature files
+
+
+def wide_jodie(path: Path, n: int, width: int, bad: dict[int, str] | None = None) -> Path:
+    """A JODIE CSV of n rows with `width` features; `bad` replaces whole data rows by index."""
+    rng = np.random.default_rng(5)
+    feats = np.round(rng.standard_normal((n, width)), 6)
+    rows = [
+        f"{i % 97},{i % 13},{i},{i % 2}," + ",".join(map(str, feats[i].tolist())) for i in range(n)
+    ]
+    for i, row in (bad or {}).items():
+        rows[i] = row
+    return write(path, "user_id,item_id,timestamp,state_label,features\n" + "\n".join(rows) + "\n")
+
+
+@pytest.fixture
+def passes(monkeypatch: pytest.MonkeyPatch) -> list[tuple[bool, bool]]:
+    """The (threads, typed) of each pass the CSV readers make."""
+    seen: list[tuple[bool, bool]] = []
+    original = CsvSource._open
+
+    def spy(self: CsvSource, threads: bool, typed: bool):
+        if self.typed:  # not the JODIE first pass, which reads the user column only
+            seen.append((threads, typed))
+        return original(self, threads, typed)
+
+    monkeypatch.setattr(CsvSource, "_open", spy)
+    return seen
+
+
+def load_both(monkeypatch: pytest.MonkeyPatch, path: Path, **options) -> tuple[tuple, tuple]:
+    """(batches, quarantined rows) read with typed features, then with text features only."""
+    out = []
+    for typed in (True, False):
+        monkeypatch.setattr(CsvSource, "read_typed", typed)
+        quarantine = path.with_name(f"q_{typed}.csv")
+        batches = list(open_events(path, quarantine=quarantine, **options))
+        out.append((batches, list(csv.DictReader(quarantine.open()))))
+    return out[0], out[1]
+
+
+def bits(x: torch.Tensor) -> torch.Tensor:
+    return x.view(torch.int32) if x.dtype == torch.float32 else x.view(torch.int64)
+
+
+def assert_bits_equal(a: list[EventBatch], b: list[EventBatch]) -> None:
+    """Same batches, floats compared bit for bit (so NaNs and signed zeros count)."""
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        for name in ("src", "dst", "t", "eid", "label", "edge_feat"):
+            u, v = getattr(x, name), getattr(y, name)
+            assert u.dtype == v.dtype and u.shape == v.shape, name
+            assert torch.equal(bits(u), bits(v)), name
+
+
+def test_wide_clean_file_reads_features_typed_in_one_pass(
+    tmp_path: Path, passes: list, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = wide_jodie(tmp_path / "wide.csv", 3_000, 40)
+    (fast, _), (text, _) = load_both(monkeypatch, path, chunk_rows=100)
+    assert passes == [(True, True), (True, False)]  # one typed pass; then the text-only read
+    assert_bits_equal(fast, text)
+    assert sum(len(b) for b in fast) == 3_000 and fast[0].edge_feat.shape[1] == 40
+
+
+def test_wide_bad_feature_deep_in_file_names_its_line(
+    tmp_path: Path, passes: list, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    n, width = 20_000, 20
+    good = wide_jodie(tmp_path / "good.csv", n, width).read_text().splitlines()
+    fields = good[12_346].split(",")
+    bad = {
+        12_345: ",".join(fields[:10] + [""] + fields[11:]),  # an empty feature
+        15_000: good[15_001].replace(",", ",,", 1),  # wrong field count
+        17_500: good[17_501].rsplit(",", 1)[0] + ",x",  # last feature not a number
+    }
+    path = wide_jodie(tmp_path / "wide.csv", n, width, bad)
+    with pytest.raises(LoaderError) as info:
+        load_events(path, chunk_rows=100)
+    assert str(info.value) == f"{path}: line 12347: non-numeric feature: '' in column 'f6'"
+    assert passes[:2] == [(True, True), (True, False)]
+    passes.clear()
+    (fast, q_fast), (text, q_text) = load_both(monkeypatch, path, chunk_rows=100)
+    assert passes[-1] == (False, False)
+    assert_bits_equal(fast, text)
+    assert q_fast == q_text
+    assert [int(r["line"]) for r in q_fast] == [12_347, 15_002, 17_502]
+    assert q_fast[2]["reason"] == "non-numeric feature: 'x' in column 'f19'"
+    kept = torch.cat([b.t for b in fast])
+    assert kept.tolist() == [float(i) for i in range(n) if i not in bad]
+
+
+def test_wide_invalid_row_before_bad_value_is_reported_once(
+    tmp_path: Path, passes: list, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    n, width = 8_000, 10
+    good = wide_jodie(tmp_path / "good.csv", n, width).read_text().splitlines()
+    bad = {1_000: "1,2,1000,0", 6_000: good[6_001].rsplit(",", 1)[0] + ",1..5"}
+    path = wide_jodie(tmp_path / "wide.csv", n, width, bad)
+    (fast, q_fast), (text, q_text) = load_both(monkeypatch, path, chunk_rows=50)
+    assert_bits_equal(fast, text)
+    assert q_fast == q_text and [int(r["line"]) for r in q_fast] == [1_002, 6_002]
+    assert q_fast[0]["reason"].startswith("feature width mismatch (10 features expected)")
+
+
+GOOD_FEATURES = ["0", "-0", "1.5", " 2.25 ", "+.5", "5.", "1e-3", "1E400", "-1e-400", "nan",
+                 "-NaN", "inf", "-Infinity", "0.1234567890123456789", "3.4028235677973366e38",
+                 "1.0000000596046448"]  # fmt: skip
+BAD_FEATURES = ["x", "", " ", "NA", "null", "1e", "--1", "0x1", "1,5"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    values=st.lists(st.lists(st.sampled_from(GOOD_FEATURES), min_size=3, max_size=3), max_size=30),
+    bad=st.none() | st.tuples(st.integers(0, 29), st.integers(0, 2), st.sampled_from(BAD_FEATURES)),
+    chunk_rows=st.integers(1, 8),
+    quote=st.booleans(),
+)
+def test_typed_and_text_features_agree_bit_for_bit(
+    tmp_path_factory: pytest.TempPathFactory,
+    values: list[list[str]],
+    bad: tuple[int, int, str] | None,
+    chunk_rows: int,
+    quote: bool,
+) -> None:
+    if bad is not None and bad[0] < len(values):
+        values[bad[0]][bad[1]] = bad[2]
+    q = '"' if quote else ""
+    rows = [
+        f"{i},{i % 2},{i},0," + ",".join(q + v + q for v in row) for i, row in enumerate(values)
+    ]
+    path = tmp_path_factory.mktemp("f") / "j.csv"
+    write(
+        path, "user_id,item_id,timestamp,state_label,features\n" + "".join(r + "\n" for r in rows)
+    )
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        (fast, q_fast), (text, q_text) = load_both(monkeypatch, path, chunk_rows=chunk_rows)
+    assert_bits_equal(fast, text)
+    assert q_fast == q_text

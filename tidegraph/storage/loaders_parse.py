@@ -2,8 +2,10 @@
 
 Internal to `tidegraph.storage.loaders`. A source hands over a chunk whose columns are named by
 role (`src`, `dst`, `time`, optional `label`, feature columns) and hold either text (CSV) or
-native numbers (Parquet). Each column is parsed with one pyarrow cast on the fast path; only a
-chunk that fails the cast is diagnosed row by row, with vectorized regular expressions.
+native numbers (Parquet, and CSV feature columns that pyarrow read as float64). Each column is
+parsed with one pyarrow cast on the fast path; only a chunk that fails the cast is diagnosed row
+by row, with vectorized regular expressions. Feature columns that are already floats without
+nulls are stacked as they are: no value of theirs can fail a check.
 
 Assumptions:
 - Ids are integers >= 0; a value such as "3.0" or "1e3" that is integral is accepted as an id.
@@ -136,7 +138,9 @@ def parse_chunk(chunk: RawChunk, rules: IdRules, feature_dim: int | None) -> tup
     feat = chunk.feat if chunk.feat is not None else _parse_features(chunk, checks, feature_dim)
     dst = _apply_rules(src, dst, rules, checks)
     keep = np.flatnonzero(~checks.bad)
-    rows = Rows(src=src, dst=dst, t=t, lines=chunk.lines, label=label, feat=feat).take(keep)
+    rows = Rows(src=src, dst=dst, t=t, lines=chunk.lines, label=label).take(keep)
+    if feat is not None:  # always a fresh array: copied only when rows were rejected
+        rows.feat = feat if keep.size == n else feat[keep]
     return rows, _rejects(chunk, checks)
 
 
@@ -266,6 +270,10 @@ def _parse_features(chunk: RawChunk, checks: _Checks, feature_dim: int | None) -
     if len(names) == 1 and is_list(chunk.columns[names[0]].type):
         width = chunk.feature_width if feature_dim is None else feature_dim
         return _parse_list_features(chunk.columns[names[0]], names[0], checks, width)
+    arrays = [chunk.columns[c] for c in names]
+    if all(pa.types.is_floating(a.type) and a.null_count == 0 for a in arrays):
+        # typed CSV or Parquet floats: nothing to check; float64 -> float32 rounds as astype does
+        return np.stack([a.to_numpy() for a in arrays], axis=1, dtype=np.float32)
     columns = [_parse_float(chunk.columns[c], c, checks, what="feature") for c in names]
     return np.stack(columns, axis=1).astype(np.float32)
 

@@ -2,10 +2,15 @@
 
 Internal to `tidegraph.storage.loaders`. Files are read with pyarrow's streaming CSV reader
 (`pyarrow.csv.open_csv`, `.gz`/`.bz2` decompressed on the fly), one block (<= 4 MiB) at a time,
-never whole. The needed columns are read as text and parsed by `loaders_parse`, so a bad value
-rejects one row instead of failing a block. Blocks are parsed on several threads; pyarrow only
-reports the line of a malformed row (wrong field count) when it reads serially, so a file with
-such a row is read again serially from the first row not yet handed out.
+never whole. Id, time and label columns are read as text and parsed by `loaders_parse`, so a bad
+value rejects one row instead of failing a block. Feature columns are read as float64 by pyarrow
+itself (wide files spend most of their time there), which fails a whole block on one bad value;
+the file is then read again as text from the first row not yet handed out, and the text path
+names the bad row. pyarrow parses text to float64 exactly as the text path does (same values,
+same strings refused; tests compare the two), so the result does not depend on the path taken.
+Blocks are parsed on several threads; pyarrow only reports the line of a malformed row (wrong
+field count) when it reads serially, so a file with such a row is read again serially from the
+first row not yet handed out.
 
 Assumptions:
 - Line numbers are 1-based and count the header and leading comment lines; blank lines are
@@ -88,6 +93,7 @@ class CsvSource:
     """Streams a delimited text file in chunks of text columns, tracking line numbers."""
 
     unit = "line"
+    read_typed = True  # feature columns as float64 first; tests set False for the text path
 
     def __init__(
         self,
@@ -107,6 +113,8 @@ class CsvSource:
         self.column_names, self.skip_rows, self.delimiter = column_names, skip_rows, delimiter
         self.chunk_rows, self.block_size, self.width_kind = chunk_rows, block_size, width_kind
         self.lenient = lenient  # skip invalid rows without a record (the JODIE first pass)
+        roles_read = set(roles.values())
+        self.typed = [c for c in dict.fromkeys(features) if c not in roles_read]
         self._threads = True
         header = 0 if column_names is not None else 1
         self.first_data_line = skip_rows + header + 1
@@ -120,35 +128,47 @@ class CsvSource:
 
     def chunks(self) -> Iterator[RawChunk]:
         self._reset()
-        complete = yield from self._pass(threads=True)
-        if not complete:  # an invalid row: only the serial reader reports its line number
-            yield from self._pass(threads=False)
+        threads, typed = True, self.read_typed and bool(self.typed)
+        while (outcome := (yield from self._pass(threads, typed))) != "complete":
+            if outcome == "invalid":  # only the serial reader reports an invalid row's line
+                threads = False
+            else:  # "unconvertible": the text path finds the bad value and names its row
+                typed = False
         yield self._chunk(None)
 
-    def _pass(self, threads: bool) -> Iterator[RawChunk]:
+    def _pass(self, threads: bool, typed: bool) -> Iterator[RawChunk]:
         """One read of the file; rows handed out by an earlier pass are skipped, not repeated.
 
-        Returns False when a threaded pass stops at an invalid row. Its handler runs while the
-        row's block is parsed, before that block's batch comes out, so no row from that block
-        or later has been handed out yet.
+        Returns "complete", "invalid" when a threaded pass stops at an invalid row, or
+        "unconvertible" when a typed pass meets a feature value pyarrow cannot parse. An invalid
+        row's handler runs while its block is parsed, and a conversion error is raised in place
+        of its block's batch, so in both cases no row from that block or later was handed out.
         """
         self._threads, self._invalid = threads, False
         resume, seen = self._read, 0
-        reader = self._open(threads)
+        reader = self._open(threads, typed)
+        if reader is None:
+            return "unconvertible"
         try:
-            for batch in _guarded(reader, self.path):
+            for batch in _guarded(reader, self.path, typed):
+                if batch is None:
+                    return "unconvertible"
                 if self._invalid and threads:
-                    return False
+                    return "invalid"
                 fresh = batch.slice(min(max(resume - seen, 0), batch.num_rows))
                 seen += batch.num_rows
                 for start in range(0, fresh.num_rows, self.chunk_rows):
                     yield self._chunk(fresh.slice(start, self.chunk_rows))
         finally:
             reader.close()
-        return not (self._invalid and threads)
+        return "invalid" if self._invalid and threads else "complete"
 
-    def _open(self, threads: bool) -> pacsv.CSVStreamingReader:
+    def _open(self, threads: bool, typed: bool) -> pacsv.CSVStreamingReader | None:
+        """A reader, or None when a typed reader fails on its first block (it reads one)."""
         wanted = list(dict.fromkeys([*self.roles.values(), *self.features]))
+        types = {c: pa.string() for c in wanted}
+        if typed:
+            types.update({c: pa.float64() for c in self.typed})
         read = pacsv.ReadOptions(
             skip_rows=self.skip_rows,
             column_names=self.column_names,
@@ -157,7 +177,11 @@ class CsvSource:
         )
         parse = pacsv.ParseOptions(delimiter=self.delimiter, invalid_row_handler=self._on_invalid)
         convert = pacsv.ConvertOptions(
-            include_columns=wanted, column_types={c: pa.string() for c in wanted}
+            include_columns=wanted,
+            column_types=types,
+            null_values=[],  # typed: an empty or "NA" feature fails the block, never a null
+            strings_can_be_null=False,
+            quoted_strings_can_be_null=False,
         )
         stream = pa.input_stream(str(self.path), compression="detect")
         try:
@@ -166,6 +190,8 @@ class CsvSource:
             )
         except pa.ArrowInvalid as exc:
             stream.close()
+            if typed:
+                return None
             raise LoaderError(self.path, None, f"cannot read: {exc}") from exc
 
     def _on_invalid(self, row: pacsv.InvalidRow) -> str:
@@ -173,6 +199,8 @@ class CsvSource:
         if self._threads or self.lenient:
             return "skip"
         ordinal = row.number - self.first_data_line
+        if self._skipped and ordinal <= self._skipped[-1]:
+            return "skip"  # recorded by an earlier serial pass that stopped at a typed block
         self._adjusted.append(ordinal - len(self._skipped))
         self._skipped.append(ordinal)
         counts = f"row has {row.actual_columns} fields, expected {row.expected_columns}"
@@ -209,14 +237,20 @@ class CsvSource:
         return Rejects(lines, [p[1] for p in out], [p[2] for p in out])
 
 
-def _guarded(reader: pacsv.CSVStreamingReader, path: Path) -> Iterator[pa.RecordBatch]:
-    """Batches of `reader`; a parse failure becomes a LoaderError naming the file."""
+def _guarded(
+    reader: pacsv.CSVStreamingReader, path: Path, typed: bool
+) -> Iterator[pa.RecordBatch | None]:
+    """Batches of `reader`; a parse failure becomes a LoaderError naming the file, except in a
+    typed pass, which ends with None instead (the text pass re-reads the block and reports)."""
     while True:
         try:
             batch = reader.read_next_batch()
         except StopIteration:
             return
         except pa.ArrowInvalid as exc:
+            if typed:
+                yield None
+                return
             raise LoaderError(path, None, f"cannot parse: {exc}") from exc
         yield batch
 
