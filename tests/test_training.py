@@ -86,6 +86,24 @@ def test_other_models_run_a_step(model, wiki):
     assert 0 <= record["ap"] <= 1
 
 
+@pytest.mark.gpu
+def test_continual_run_on_cuda(wiki):
+    cfg = small_config(device="cuda", train={"epochs": 1}, data={"max_events": 1500})
+    learner = ContinualLearner(cfg, load_stream("wikipedia", 1500))
+    learner.run()
+    assert learner.model.memory.memory.is_cuda and learner.done
+
+
+def test_job_entry_point_runs_and_writes_json_lines(tmp_path, capsys):
+    from tidegraph.jobs.train import main
+
+    args = ["--max-events", "1500", "--increments", "2", "--epochs", "1", "--no-progress"]
+    assert main(args + ["--out", str(tmp_path)]) == 0
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 3 and "AP" in capsys.readouterr().out
+    assert main(["--model", "nope"]) == 2
+
+
 # ---- determinism and checkpoints -----------------------------------------------------------
 
 

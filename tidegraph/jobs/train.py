@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import shutil
 import sys
 from pathlib import Path
 
@@ -85,8 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    if config.out_dir and Path(config.out_dir).exists():
-        shutil.rmtree(config.out_dir)  # a run's metrics.jsonl starts empty
+    if config.out_dir:
+        for name in ("metrics.jsonl", "summary.json", "offline.json"):
+            (Path(config.out_dir) / name).unlink(missing_ok=True)  # this run's files start empty
     if config.threads:
         torch.set_num_threads(config.threads)
     log.info("config: %s", json.dumps(config.to_dict()))

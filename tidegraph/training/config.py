@@ -146,7 +146,9 @@ class RunConfig:
     graph_device: str | None = None  # where the graph lives and sampling runs; None: device
     out_dir: str | None = "runs/latest"
     progress: bool = True
-    threads: int | None = None  # torch CPU threads; None: torch's default
+    # torch CPU threads, set by the job entry point; 1 is fastest on small CPU boxes (these
+    # batches are small, and threads thrash when other processes compete); None: torch's default
+    threads: int | None = 1
     deterministic: bool = True  # torch.use_deterministic_algorithms (see training.continual)
 
     def __post_init__(self) -> None:
