@@ -94,8 +94,10 @@ def test_attention_matches_a_dense_reference_and_handles_empty_rows():
     dt_all, e_all = torch.rand(r, k) * 10, torch.randn(r, k, 2)
     out = att(h_root, h_all[mask], dt_all[mask], e_all[mask], mask)
     assert torch.isfinite(out).all()
-    # reference: one linear map over the concatenation, softmax over each row's valid slots
-    w = torch.cat([att.kv.weight, att.kv_time.weight, att.kv_edge.weight], 1)
+    # reference: keys/values = W [h] + (time and edge projection, added to both); softmax over
+    # each row's valid slots
+    w_edge = torch.cat([att.kv_time.weight, att.kv_edge.weight], 1).repeat(2, 1)
+    w = torch.cat([att.kv.weight, w_edge], 1)
     kv = torch.cat([h_all, enc(dt_all), e_all], -1) @ w.T + att.kv.bias
     q = att.q(torch.cat([h_root, enc(torch.zeros(r))], -1)).view(r, 2, 4)
     key, val = kv.view(r, k, 2, 2, 4).unbind(2)

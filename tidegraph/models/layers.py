@@ -64,8 +64,9 @@ class NodeInput(nn.Module):
 class TemporalAttention(nn.Module):
     """TGAT/TGN graph attention: query (root state, phi(0)), keys (nbr state, phi(dt), edge).
 
-    The key/value projection of [state, phi(dt), edge] is split into one linear map per part
-    (the same function as one map over the concatenation) so no per-slot concat is built.
+    Keys and values are W [state] plus one projection of [phi(dt), edge] added to both (as in
+    TransformerConv's edge attributes), each part its own linear map so that no per-slot concat
+    is built and a caller may project each distinct neighbour state once (`kv_nbr`).
     `time_enc` None means no time features (DySAT's structural attention).
     """
 
@@ -81,8 +82,8 @@ class TemporalAttention(nn.Module):
         time_dim = time_enc.dim if time_enc is not None else 0
         self.q = nn.Linear(in_dim + time_dim, out_dim)
         self.kv = nn.Linear(in_dim, 2 * out_dim)
-        self.kv_time = nn.Linear(time_dim, 2 * out_dim, bias=False) if time_dim else None
-        self.kv_edge = nn.Linear(edge_dim, 2 * out_dim, bias=False) if edge_dim else None
+        self.kv_time = nn.Linear(time_dim, out_dim, bias=False) if time_dim else None
+        self.kv_edge = nn.Linear(edge_dim, out_dim, bias=False) if edge_dim else None
         self.merge = nn.Sequential(
             nn.Linear(out_dim + in_dim, out_dim), nn.ReLU(), nn.Linear(out_dim, out_dim)
         )
@@ -95,17 +96,22 @@ class TemporalAttention(nn.Module):
         dt: torch.Tensor,  # [V] time since each neighbour's edge
         e_feat: torch.Tensor | None,  # [V, De] or None
         mask: torch.Tensor,  # [R, K]
+        kv_nbr: torch.Tensor | None = None,  # [V, 2 out], self.kv(h_nbr) computed by the caller
     ) -> torch.Tensor:
+        """`kv_nbr` lets a caller project each distinct neighbour once and gather the rows."""
         r, k = mask.shape
         h, d = self.heads, self.out_dim // self.heads
         query = h_root
-        kv = self.kv(h_nbr)
+        kv = self.kv(h_nbr) if kv_nbr is None else kv_nbr
+        edge = None  # [V, out]: added to both keys and values
         if self.time_enc is not None:
             phi_zero = self.time_enc(dt.new_zeros(1)).expand(r, -1)
             query = torch.cat([h_root, phi_zero], -1)
-            kv = kv + self.kv_time(self.time_enc(dt))
+            edge = self.kv_time(self.time_enc(dt))
         if self.kv_edge is not None and e_feat is not None:
-            kv = kv + self.kv_edge(e_feat)
+            edge = self.kv_edge(e_feat) if edge is None else edge + self.kv_edge(e_feat)
+        if edge is not None:
+            kv = kv + edge.repeat(1, 2)
         row = mask.nonzero()[:, 0]  # root of each valid slot (row-major, like h_nbr)
         k_V, v_V = kv.view(-1, 2, h, d).unbind(1)
         q_V = self.q(query).view(r, h, d)[row]

@@ -50,8 +50,13 @@ class TGN(TemporalModel):
             return mem[torch.searchsorted(n_id, x)]
 
         def layer(i, block, h_root, h_nbr):
-            e = edge_features(self.edge_store, self.edge_dim, block.nbr_eids[block.mask], h_root)
-            return self.layers[i](h_root, h_nbr, block.dt[block.mask], e, block.mask)
+            valid = block.mask
+            e = edge_features(self.edge_store, self.edge_dim, block.nbr_eids[valid], h_root)
+            kv_nbr = None
+            if i == 0:  # project each distinct node's memory once, then gather per slot
+                pos = torch.searchsorted(n_id, block.nbr_ids[valid])
+                kv_nbr = self.layers[0].kv(mem)[pos]
+            return self.layers[i](h_root, h_nbr, block.dt[valid], e, valid, kv_nbr)
 
         return blocks_bottom_up(blocks, h0, layer)
 
