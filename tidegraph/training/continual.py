@@ -238,7 +238,12 @@ class ContinualLearner:
         g = self.graph.device
         self.graph.add_edges(ev.src.to(g), ev.dst.to(g), ev.t.to(g), ev.eid.to(g))
         self.negatives.add(ev.dst)
+        params = [id(p) for p in self.model.parameters()]
         self.model.grow(self.graph.num_nodes)
+        if params != [id(p) for p in self.model.parameters()]:
+            # a learned node table grew into a new Parameter; Adam must track the new one
+            log.info("node tables grew to %d nodes: new optimizer", self.graph.num_nodes)
+            self.optimizer = self.engine.optimizer = self._new_optimizer()
         self.ingested = end
 
     def _batches(self, start: int, end: int):
