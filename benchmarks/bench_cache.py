@@ -245,7 +245,12 @@ def main() -> None:
     p.add_argument("--synthetic-edges", type=int, default=10_000_000)
     p.add_argument("--round", type=int, default=50, help="batches per retraining round")
     p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default); "
+                   "1 on a busy machine, where thread barriers dominate small ops")  # fmt: skip
     args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    started = time.perf_counter()
     plan = PLANS["quick" if args.quick else "full" if args.full else "default"]
 
     streams = []
@@ -261,8 +266,9 @@ def main() -> None:
     rows = []
     for s in streams:
         ids_per_batch = sum(x.numel() for x in s.eids) / len(s.eids)
+        per_batch = 1000 * s.sample_seconds / len(s.eids)
         print(f"{s.name} {s.config}: {len(s.eids)} batches, {ids_per_batch:,.0f} eids/batch, "
-              f"sampling {1000 * s.sample_seconds / len(s.eids):.1f} ms/batch")  # fmt: skip
+              f"sampling {per_batch:.1f} ms/batch", flush=True)  # fmt: skip
         for ratio in RATIOS:
             for v in args.variants.split(","):
                 result = replay(s, v, ratio, args.round)
@@ -293,6 +299,8 @@ def main() -> None:
         "precision_error": errors,
         "best_policy_wikipedia_tgn_0.2": _best(rows, "wikipedia", "TGN", 0.2),
         "gpu_timing_measured": args.device == "cuda",
+        "threads": torch.get_num_threads(),
+        "seconds": time.perf_counter() - started,
     }
     path = write_json(f"cache_{args.device}_{mode}.json", payload)
     print(f"wrote {path}")
