@@ -110,10 +110,11 @@ class TemporalAttention(nn.Module):
             edge = self.kv_time(self.time_enc(dt))
         if self.kv_edge is not None and e_feat is not None:
             edge = self.kv_edge(e_feat) if edge is None else edge + self.kv_edge(e_feat)
-        if edge is not None:
-            kv = kv + edge.repeat(1, 2)
-        row = mask.nonzero()[:, 0]  # root of each valid slot (row-major, like h_nbr)
         k_V, v_V = kv.view(-1, 2, h, d).unbind(1)
+        if edge is not None:
+            edge = edge.view(-1, h, d)
+            k_V, v_V = k_V + edge, v_V + edge
+        row = mask.nonzero()[:, 0]  # root of each valid slot (row-major, like h_nbr)
         q_V = self.q(query).view(r, h, d)[row]
         score_V = (q_V * k_V).sum(-1) / d**0.5  # [V, H]
         # softmax over each root's valid slots, laid out densely only as [R, K, H] scores
@@ -144,17 +145,22 @@ def edge_features(store, edge_dim: int, eids: torch.Tensor, like: torch.Tensor):
     return store.get(eids).to(like.device, like.dtype)
 
 
-def blocks_bottom_up(blocks: list[Block], h0, layer_fn) -> torch.Tensor:
+def blocks_bottom_up(
+    blocks: list[Block], h0, layer_fn, bottom_nbr_states: bool = True
+) -> torch.Tensor:
     """Embeddings of blocks[0]'s roots after len(blocks) layers, computed bottom-up.
 
     `h0(ids)` gives layer-0 states of valid ids; `layer_fn(l, block, h_root, h_nbr)` applies
     layer l (0 is the bottom) to one block, with `h_nbr` the states of its valid neighbour
     slots in row-major order, and returns one row per root. The next hop's roots are this hop's
     roots followed by its valid neighbours, so its output splits into (roots, valid slots).
+    With `bottom_nbr_states` False the bottom layer gets None for `h_nbr` (a caller that
+    projects neighbour states itself skips the gather).
     """
     depth = len(blocks)
     last = blocks[-1]
-    h_root, h_nbr = h0(last.dst_ids), h0(last.nbr_ids[last.mask])
+    h_root = h0(last.dst_ids)
+    h_nbr = h0(last.nbr_ids[last.mask]) if bottom_nbr_states else None
     for layer in range(depth):
         block = blocks[depth - 1 - layer]
         out = layer_fn(layer, block, h_root, h_nbr)

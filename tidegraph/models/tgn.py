@@ -58,7 +58,7 @@ class TGN(TemporalModel):
                 kv_nbr = self.layers[0].kv(mem)[pos]
             return self.layers[i](h_root, h_nbr, block.dt[valid], e, valid, kv_nbr)
 
-        return blocks_bottom_up(blocks, h0, layer)
+        return blocks_bottom_up(blocks, h0, layer, bottom_nbr_states=False)
 
     def grow(self, num_nodes: int) -> None:
         self.memory.grow(num_nodes)

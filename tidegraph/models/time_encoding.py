@@ -25,4 +25,6 @@ class TimeEncoder(nn.Module):
         self.bias = nn.Parameter(torch.zeros(dim))
 
     def forward(self, dt: torch.Tensor) -> torch.Tensor:
-        return torch.cos(dt.to(self.weight.dtype).unsqueeze(-1) * self.weight + self.bias)
+        return torch.cos(
+            torch.addcmul(self.bias, dt.to(self.weight.dtype).unsqueeze(-1), self.weight)
+        )
