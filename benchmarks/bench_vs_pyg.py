@@ -152,6 +152,9 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=200)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--fixed-time-encoding", action="store_true", help="tidegraph side: GraphMixer's fixed"
+    )
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (both sides)")
     args = p.parse_args()
     if args.threads:
@@ -163,7 +166,7 @@ def main() -> None:
     train_end, val_end = int(0.70 * n), int(0.70 * n) + int(0.15 * n)
     cfg = RunConfig.from_dict(
         {
-            "model": {"name": "tgn"},
+            "model": {"name": "tgn", "time_trainable": not args.fixed_time_encoding},
             "train": {"batch_size": args.batch_size, "lr": args.lr, "epochs": args.epochs},
             "seed": args.seed,
             "device": args.device,

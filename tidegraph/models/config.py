@@ -13,6 +13,7 @@ from tidegraph.models.dysat import DySAT
 from tidegraph.models.sage import GraphSAGE
 from tidegraph.models.tgat import TGAT
 from tidegraph.models.tgn import TGN
+from tidegraph.models.time_encoding import TimeEncoder
 
 __all__ = ["MODELS", "ModelConfig", "build_model"]
 
@@ -28,6 +29,7 @@ class ModelConfig:
     memory_dim: int = 100
     heads: int = 2
     num_layers: int | None = None
+    time_trainable: bool = True  # False: fixed time-encoding frequencies (GraphMixer)
 
     def __post_init__(self) -> None:
         if self.name not in MODELS:
@@ -54,10 +56,18 @@ def build_model(
     """A fresh model; parameters come from torch's global generator (seed it first)."""
     c = config
     if c.name == "tgn":
-        return TGN(num_nodes, c.dim, c.memory_dim, c.time_dim, edge_dim, c.num_layers, c.heads)
-    nodes = dict(node_features=node_features, node_feat_dim=node_feat_dim)
-    if c.name == "tgat":
-        return TGAT(num_nodes, c.dim, c.time_dim, edge_dim, c.num_layers, c.heads, **nodes)
-    if c.name == "dysat":
-        return DySAT(num_nodes, num_snapshots, c.dim, c.num_layers, c.heads, **nodes)
-    return GraphSAGE(num_nodes, c.dim, c.num_layers, **nodes)
+        model = TGN(num_nodes, c.dim, c.memory_dim, c.time_dim, edge_dim, c.num_layers, c.heads)
+    elif c.name == "tgat":
+        nodes = dict(node_features=node_features, node_feat_dim=node_feat_dim)
+        model = TGAT(num_nodes, c.dim, c.time_dim, edge_dim, c.num_layers, c.heads, **nodes)
+    elif c.name == "dysat":
+        nodes = dict(node_features=node_features, node_feat_dim=node_feat_dim)
+        model = DySAT(num_nodes, num_snapshots, c.dim, c.num_layers, c.heads, **nodes)
+    else:
+        model = GraphSAGE(num_nodes, c.dim, c.num_layers, node_features, node_feat_dim)
+    if not c.time_trainable:
+        for module in model.modules():
+            if isinstance(module, TimeEncoder):
+                module.weight.requires_grad_(False)
+                module.bias.requires_grad_(False)
+    return model

@@ -1,7 +1,9 @@
 """Functional time encoding (TGAT, Xu et al. 2020): phi(dt) = cos(dt * w + b).
 
 Frequencies start geometrically spaced from 1 to 1e-9 (GraphMixer's fixed init) so that both
-seconds and months are resolved; they stay trainable as in TGN. Inputs are time differences in
+seconds and months are resolved; they stay trainable as in TGN, or stay fixed with
+`trainable=False` (GraphMixer finds that as accurate, and it saves the backward through the
+cosines of every neighbour slot). Inputs are time differences in
 float32 (the caller subtracts float64 times first, so large absolute times lose no precision).
 """
 
@@ -16,13 +18,13 @@ __all__ = ["TimeEncoder"]
 class TimeEncoder(nn.Module):
     """Maps time differences [...] to [..., dim] cosine features."""
 
-    def __init__(self, dim: int) -> None:
+    def __init__(self, dim: int, trainable: bool = True) -> None:
         super().__init__()
         if dim < 1:
             raise ValueError(f"TimeEncoder: dim must be >= 1, got {dim}")
         self.dim = dim
-        self.weight = nn.Parameter(1.0 / 10 ** torch.linspace(0, 9, dim))
-        self.bias = nn.Parameter(torch.zeros(dim))
+        self.weight = nn.Parameter(1.0 / 10 ** torch.linspace(0, 9, dim), requires_grad=trainable)
+        self.bias = nn.Parameter(torch.zeros(dim), requires_grad=trainable)
 
     def forward(self, dt: torch.Tensor) -> torch.Tensor:
         return torch.cos(

@@ -229,7 +229,8 @@ class ContinualLearner:
 
     def _new_optimizer(self) -> torch.optim.Optimizer:
         # fused Adam: one kernel for all parameters (CPU and CUDA)
-        return torch.optim.Adam(self.model.parameters(), lr=self.config.train.lr, fused=True)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        return torch.optim.Adam(params, lr=self.config.train.lr, fused=True)
 
     def ingest(self, start: int, end: int) -> None:
         if end <= self.ingested:
