@@ -236,7 +236,7 @@ def main() -> None:
         f"AP difference (tidegraph - PyG): {ap_diff:+.2f} points"
     )
     path = write_json(
-        f"vs_pyg_{device.type}.json",
+        f"vs_pyg_{device.type}{'_fixed_time' if args.fixed_time_encoding else ''}.json",
         {
             "dataset": stream.name,
             "events": n,
