@@ -309,7 +309,8 @@ def test_state_dict_round_trip(device, policy):
      ({"capacity": 2, "ratio": 0.1}, "exactly one"),
      ({"capacity": -1}, "CacheConfig.capacity"),
      ({"ratio": float("inf")}, "CacheConfig.ratio"),
-     ({"capacity": 1, "policy": "arc"}, "CacheConfig.policy")],
+     ({"capacity": 1, "policy": "arc"}, "CacheConfig.policy"),
+     ({"capacity": 1, "device": "gpu0"}, "CacheConfig.device")],
 )  # fmt: skip
 def test_config_validation_names_the_field(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -80,7 +80,10 @@ class CacheConfig:
         if self.policy not in POLICIES:
             raise ValueError(f"CacheConfig.policy must be one of {POLICIES}, got {self.policy!r}")
         if self.device is not None:
-            kind = torch.device(self.device).type
+            try:
+                kind = torch.device(self.device).type
+            except RuntimeError as err:
+                raise ValueError(f"CacheConfig.device: {err}") from None
             if kind == "cuda" and not torch.cuda.is_available():
                 raise ValueError(f"CacheConfig.device is {self.device!r}, but CUDA is absent")
 
