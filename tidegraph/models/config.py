@@ -29,7 +29,10 @@ class ModelConfig:
     memory_dim: int = 100
     heads: int = 2
     num_layers: int | None = None
-    time_trainable: bool = True  # False: fixed time-encoding frequencies (GraphMixer)
+    # False (default): fixed time-encoding frequencies, as GraphMixer recommends; on wikipedia it
+    # gave higher AP than trainable ones and a ~1.5x faster TGN epoch (no backward through the
+    # cosines of every neighbour slot). True: trained as in the TGN and TGAT papers.
+    time_trainable: bool = False
 
     def __post_init__(self) -> None:
         if self.name not in MODELS:
