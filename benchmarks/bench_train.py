@@ -101,7 +101,8 @@ def main() -> None:
     print(f"\n{stream.name}: {len(stream.events)} events")
     print_table(rows)
     path = write_json(
-        f"train_{torch.device(args.device).type}.json", {"args": vars(args), "rows": rows}
+        f"train_{'_'.join(args.models)}_{torch.device(args.device).type}.json",
+        {"args": vars(args), "rows": rows},
     )
     print(f"wrote {path}")
 
