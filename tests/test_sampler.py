@@ -12,6 +12,14 @@ from tidegraph.sampling import Block, TemporalSampler
 from tidegraph.storage import DynamicGraph
 
 
+@pytest.fixture(scope="module", autouse=True, params=[False, True], ids=["pruned", "sync_free"])
+def search_mode(request):
+    """Every test runs with both binary-search modes, whatever the device."""
+    TemporalSampler.sync_free = request.param
+    yield request.param
+    TemporalSampler.sync_free = None
+
+
 def _rows(block: Block):
     """Valid slots of each row as (nbr, t, eid) tuples."""
     out = []

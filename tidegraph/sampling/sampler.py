@@ -34,6 +34,10 @@ _STRATEGIES = ("recent", "uniform")
 class TemporalSampler:
     """Samples multi-hop temporal neighbourhoods as dense `Block`s."""
 
+    # None: sync-free fixed-step searches on CUDA (no host round trip inside a hop), pruned
+    # searches with a few host syncs on the CPU; tests set it to cover both on either device.
+    sync_free: bool | None = None
+
     def __init__(
         self,
         graph: DynamicGraph,
@@ -114,7 +118,8 @@ class TemporalSampler:
         if not segments:
             empty = roots.new_zeros((roots.shape[0], 0))
             return _to_block(roots, t_hi, empty, empty.double(), empty, empty.bool(), k, True)
-        ranges = _visible_ranges(segments, roots, t_hi, t_lo)
+        sync_free = self.graph.device.type == "cuda" if self.sync_free is None else self.sync_free
+        ranges = _visible_ranges(segments, roots, t_hi, t_lo, sync_free)
         if self.strategy == "recent":
             pos_RC, seg_RC, valid_RC = _newest_candidates(ranges, k)
         else:
@@ -170,21 +175,27 @@ class TemporalSampler:
 
 
 def _visible_ranges(
-    segments: list[Segment], roots: torch.Tensor, t_hi: torch.Tensor, t_lo: torch.Tensor | None
+    segments: list[Segment],
+    roots: torch.Tensor,
+    t_hi: torch.Tensor,
+    t_lo: torch.Tensor | None,
+    sync_free: bool,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per segment (newest first), [start, end) of each root's visible edges."""
     if roots.numel() == 0:
         return [(roots.new_zeros(roots.shape), roots.new_zeros(roots.shape)) for _ in segments]
     # one host sync per hop lets segments entirely inside the bounds skip their binary search
-    bounds = [t_hi.min()] + ([t_lo.max()] if t_lo is not None else [])
-    bounds = torch.stack(bounds).tolist()
+    bounds = [-torch.inf, torch.inf]  # sync-free: never skip a search
+    if not sync_free:
+        bounds = torch.stack([t_hi.min(), t_lo.max() if t_lo is not None else t_hi.min()])
+        bounds = bounds.tolist()
     out = []
     for seg in segments:
         lo, hi = seg.node_ranges(roots)
-        end = hi if seg.t_max < bounds[0] else seg.lower_bound(lo, hi, t_hi)
+        end = hi if seg.t_max < bounds[0] else seg.lower_bound(lo, hi, t_hi, sync_free)
         start = lo
         if t_lo is not None and seg.t_min < bounds[1]:
-            start = seg.lower_bound(lo, end, t_lo)
+            start = seg.lower_bound(lo, end, t_lo, sync_free)
         out.append((start, end))
     return out
 

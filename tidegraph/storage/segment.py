@@ -140,16 +140,23 @@ class Segment:
         hi = torch.where(found, self.offsets[idx_c + 1], 0)
         return lo, hi
 
-    def lower_bound(self, lo: torch.Tensor, hi: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
+    def lower_bound(
+        self, lo: torch.Tensor, hi: torch.Tensor, bound: torch.Tensor, sync_free: bool = False
+    ) -> torch.Tensor:
         """First position p in [lo, hi) with t[p] >= bound (hi when none): edges before it are
         strictly older than `bound`.
 
-        Ranges whose edges are all older (the usual case when training on the newest events) or
-        all newer than the bound are answered directly; only the others enter the binary
-        search, with as many steps as the widest of them needs.
+        By default, ranges whose edges are all older (the usual case when training on the
+        newest events) or all newer than the bound are answered directly and only the others
+        enter the binary search, with as many steps as the widest of them needs: two host
+        syncs, cheap on the CPU. `sync_free` runs the fixed-step search over every range
+        instead (steps set by the segment's largest degree), as GPU streams and CUDA graphs
+        prefer.
         """
         if self.num_edges == 0 or lo.numel() == 0:
             return lo
+        if sync_free:
+            return self._search(lo.clone(), hi.clone(), bound, max(self.max_degree, 1))
         last = self.num_edges - 1
         first_new = self.t[lo.clamp(max=last)] >= bound
         last_old = self.t[(hi - 1).clamp(min=0)] < bound
@@ -158,15 +165,23 @@ class Segment:
         rows = split.nonzero().squeeze(1)
         if rows.numel() == 0:
             return out
-        lo, hi, bound = lo[rows], hi[rows], bound[rows]
-        lo += 1  # t[lo] < bound is known: the answer lies in (lo, hi - 1]
-        hi -= 1
-        for _ in range(int((hi - lo).max()).bit_length()):
+        # t[lo] < bound <= t[hi - 1] is known: the answer lies in (lo, hi - 1]
+        lo, hi = lo[rows] + 1, hi[rows] - 1
+        found = self._search(lo, hi, bound[rows], int((hi - lo).max()))
+        return out.index_put_((rows,), found)
+
+    def _search(
+        self, lo: torch.Tensor, hi: torch.Tensor, bound: torch.Tensor, width: int
+    ) -> torch.Tensor:
+        """Branch-free binary search in [lo, hi], ranges at most `width` wide; an empty range
+        (lo == hi) stays where it is."""
+        last = self.num_edges - 1
+        for _ in range(width.bit_length()):
             mid = (lo + hi) >> 1
-            older = self.t[mid] < bound
+            older = (self.t[mid.clamp(max=last)] < bound) & (lo < hi)
             lo = torch.where(older, mid + 1, lo)
             hi = torch.where(older, hi, mid)
-        return out.index_put_((rows,), lo)
+        return lo
 
     def drop_before(self, t: float) -> Segment | None:
         """A copy without edges older than `t`, or None when nothing is left."""
