@@ -98,7 +98,11 @@ def test_job_entry_point_runs_and_writes_json_lines(tmp_path, capsys):
     from tidegraph.jobs.train import main
 
     args = ["--max-events", "1500", "--increments", "2", "--epochs", "1", "--no-progress"]
-    assert main(args + ["--out", str(tmp_path)]) == 0
+    threads = torch.get_num_threads()
+    try:
+        assert main(args + ["--out", str(tmp_path)]) == 0
+    finally:
+        torch.set_num_threads(threads)  # the job sets its own thread count
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 3 and "AP" in capsys.readouterr().out
     assert main(["--model", "nope"]) == 2
@@ -133,6 +137,7 @@ _RESUME = textwrap.dedent(
     """
     import sys, torch
     from tidegraph.training import ContinualLearner, RunConfig
+    torch.set_num_threads(int(sys.argv[3]))  # float sums in matmuls depend on the thread count
     cfg = RunConfig.from_dict(torch.load(sys.argv[1], weights_only=False)["config"])
     learner = ContinualLearner(cfg)
     learner.load_state_dict(torch.load(sys.argv[1], weights_only=False)["state"])
@@ -158,7 +163,9 @@ def test_checkpoint_resumes_in_a_new_process_to_the_same_result(tmp_path):
     script = tmp_path / "resume.py"
     script.write_text(_RESUME)
     out = tmp_path / "out.pt"
-    subprocess.run([sys.executable, str(script), str(ckpt), str(out)], check=True, timeout=300)
+    threads = str(torch.get_num_threads())
+    cmd = [sys.executable, str(script), str(ckpt), str(out), threads]
+    subprocess.run(cmd, check=True, timeout=300)
     resumed = torch.load(out, weights_only=False)
     ref = full.model.state_dict()
     assert all(torch.equal(resumed["model"][k], ref[k]) for k in ref)
