@@ -65,3 +65,21 @@ def recent_hops(ref: ReferenceGraph, roots, ts, fanouts, t_lo=None):
         if lo is not None:
             lo = lo + [lo[i] for i, row in enumerate(rows) for _ in row]
     return hops
+
+
+def twin_graphs(placement: str, num_nodes: int, num_edges: int, t_max: int, seed: int):
+    """The same random graph on the CPU and with `placement`, inserted in three batches of
+    different sizes (so both go through compaction); returns (cpu, other, generator)."""
+    import torch
+
+    from tidegraph.storage import DynamicGraph
+
+    gen = torch.Generator().manual_seed(seed)
+    src, dst = torch.randint(0, num_nodes, (2, num_edges), generator=gen)
+    t = torch.randint(0, t_max, (num_edges,), generator=gen).double()
+    cpu, other = DynamicGraph(), DynamicGraph(device=placement)
+    cuts = [0, num_edges // 5, 4 * num_edges // 5, num_edges]
+    for lo, hi in zip(cuts[:-1], cuts[1:], strict=True):
+        cpu.add_edges(src[lo:hi], dst[lo:hi], t[lo:hi])
+        other.add_edges(src[lo:hi], dst[lo:hi], t[lo:hi])
+    return cpu, other, gen

@@ -7,7 +7,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from reference import ReferenceGraph
+from reference import ReferenceGraph, twin_graphs
 
 from tidegraph.storage import DynamicGraph
 
@@ -154,13 +154,7 @@ def test_unknown_placement():
 @pytest.mark.gpu
 @pytest.mark.parametrize("placement", ["cuda", "pinned"])
 def test_gpu_placements_match_cpu(placement):
-    gen = torch.Generator().manual_seed(1)
-    src, dst = torch.randint(0, 30, (2, 500), generator=gen)
-    t = torch.randint(0, 20, (500,), generator=gen).double()
-    cpu, gpu = DynamicGraph(), DynamicGraph(device=placement)
-    for sl in (slice(0, 100), slice(100, 400), slice(400, 500)):
-        cpu.add_edges(src[sl], dst[sl], t[sl])
-        gpu.add_edges(src[sl], dst[sl], t[sl])
+    cpu, gpu, _ = twin_graphs(placement, num_nodes=30, num_edges=500, t_max=20, seed=1)
     for v in range(30):
         assert _neighbors(gpu, v) == _neighbors(cpu, v)
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from reference import ReferenceGraph, recent_hops
+from reference import ReferenceGraph, recent_hops, twin_graphs
 
 from tidegraph.sampling import Block, TemporalSampler
 from tidegraph.storage import DynamicGraph
@@ -264,14 +264,9 @@ def test_bad_config(kwargs, match):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("strategy", ["recent", "uniform"])
-def test_cuda_equals_cpu(strategy):
-    gen = torch.Generator().manual_seed(2)
-    src, dst = torch.randint(0, 200, (2, 5000), generator=gen)
-    t = torch.randint(0, 1000, (5000,), generator=gen).double()
-    cpu, gpu = DynamicGraph(), DynamicGraph(device="cuda")
-    for sl in (slice(0, 1000), slice(1000, 4000), slice(4000, 5000)):
-        cpu.add_edges(src[sl], dst[sl], t[sl])
-        gpu.add_edges(src[sl], dst[sl], t[sl])
+@pytest.mark.parametrize("placement", ["cuda", "pinned"])
+def test_cuda_equals_cpu(strategy, placement):
+    cpu, gpu, gen = twin_graphs(placement, num_nodes=200, num_edges=5000, t_max=1000, seed=2)
     roots, ts = torch.randint(0, 220, (700,), generator=gen), torch.rand(700, generator=gen) * 1100
     a = TemporalSampler(cpu, [10, 5], strategy=strategy, seed=0).sample(roots, ts)
     b = TemporalSampler(gpu, [10, 5], strategy=strategy, seed=0).sample(roots.cuda(), ts.cuda())
