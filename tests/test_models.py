@@ -3,7 +3,15 @@
 import pytest
 import torch
 
-from tidegraph.models import MODELS, TGN, ModelConfig, TGNMemory, TimeEncoder, build_model
+from tidegraph.models import (
+    JODIE,
+    MODELS,
+    TGN,
+    ModelConfig,
+    TGNMemory,
+    TimeEncoder,
+    build_model,
+)
 from tidegraph.models.base import link_roots
 from tidegraph.models.layers import TemporalAttention, blocks_bottom_up
 from tidegraph.sampling import Block, TemporalSampler
@@ -96,11 +104,12 @@ def test_attention_matches_a_dense_reference_and_handles_empty_rows():
     assert torch.isfinite(out).all()
     # reference: keys/values = W [h] + (time and edge projection, added to both); softmax over
     # each row's valid slots
-    w_edge = torch.cat([att.kv_time.weight, att.kv_edge.weight], 1).repeat(2, 1)
-    w = torch.cat([att.kv.weight, w_edge], 1)
-    kv = torch.cat([h_all, enc(dt_all), e_all], -1) @ w.T + att.kv.bias
-    q = att.q(torch.cat([h_root, enc(torch.zeros(r))], -1)).view(r, 2, 4)
-    key, val = kv.view(r, k, 2, 2, 4).unbind(2)
+    w_edge = torch.cat([att.kv_time.weight, att.kv_edge.weight], 1)
+    x_edge = torch.cat([enc(dt_all), e_all], -1)
+    key = (att.key(h_all) + x_edge @ w_edge.T).view(r, k, 2, 4)
+    val = (att.value(h_all) + x_edge @ w_edge.T).view(r, k, 2, 4)
+    q_weight = torch.cat([att.q.weight, att.q_time.weight], 1)
+    q = (torch.cat([h_root, enc(torch.zeros(r))], -1) @ q_weight.T + att.q.bias).view(r, 2, 4)
     rows = []
     for i in range(r):
         if not mask[i].any():
@@ -145,7 +154,7 @@ def test_memory_update_matches_a_per_node_reference():
         msg = torch.cat(
             [before["memory"][v], before["memory"][other], mem.time_enc(dt.float().view(1))[0]]
         )
-        ref = mem.gru(msg.unsqueeze(0), before["memory"][v].unsqueeze(0))[0]
+        ref = mem.updater(msg.unsqueeze(0), before["memory"][v].unsqueeze(0))[0]
         torch.testing.assert_close(new[row], ref)
         assert float(last[row]) == float(before["msg_t"][v])
     mem.commit(ids, new, last)
@@ -181,6 +190,29 @@ def test_tgn_commit_records_events_and_discard_leaves_state(device):
     model.commit(None)
     assert not model.memory.has_msg.any()
     assert (model.memory.memory[ev.src].abs().sum(1) > 0).all()
+
+
+def test_jodie_projects_memory_over_time_since_last_update(device):
+    torch.manual_seed(0)
+    model = JODIE(6, dim=8, memory_dim=8, time_dim=4).to(device)
+    model.memory.memory.normal_()
+    model.memory.last_update.copy_(torch.tensor([0.0, 5, 10, 0, 0, 0], dtype=torch.float64))
+    ids = torch.tensor([1, 2, 1], device=device)
+    ts = torch.tensor([5.0, 30.0, 105.0], dtype=torch.float64, device=device)
+    z = model.embed(ids, ts, [])
+    dt = torch.tensor([0.0, 20.0, 100.0], device=device)
+    w, b = model.time_proj.weight.squeeze(1), model.time_proj.bias
+    projected = model.memory.memory[ids] * (1 + torch.log1p(dt).unsqueeze(1) * w + b)
+    ref = model.out(torch.cat([projected, model.static.table[ids]], -1))
+    torch.testing.assert_close(z, ref)
+    # an event between updates: its message is folded in (RNN) and dt restarts from its time
+    ev = EventBatch(ids[:1], ids[1:2], torch.tensor([50.0], device=device), ids[:1])
+    model.commit(ev)
+    model.embed(ids[:1], ts[2:], [])
+    n_id, mem, last = model._stash
+    assert float(last[0]) == 50.0 and not torch.equal(mem[0], model.memory.memory[1])
+    with pytest.raises(ValueError, match="num_layers must be 0 for jodie"):
+        ModelConfig(name="jodie", num_layers=1)
 
 
 def test_unknown_model_is_rejected_naming_the_field():

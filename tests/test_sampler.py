@@ -252,7 +252,7 @@ def test_bad_roots(roots, ts, match):
     [
         ({"strategy": "newest"}, "strategy must be one of"),
         ({"fanouts": [0]}, "fanouts must be positive"),
-        ({"fanouts": []}, "fanouts must be positive"),
+        ({"fanouts": [2, -1]}, "fanouts must be positive"),
         ({"num_snapshots": 2}, "snapshot_window must be > 0"),
         ({"num_snapshots": 0}, "num_snapshots must be >= 1"),
     ],
@@ -260,6 +260,17 @@ def test_bad_roots(roots, ts, match):
 def test_bad_config(kwargs, match):
     with pytest.raises(ValueError, match=match):
         TemporalSampler(DynamicGraph(), **kwargs)
+
+
+def test_no_hops_samples_nothing():
+    # fanouts [] is a zero-hop sampler (models without neighbours, e.g. JODIE): no blocks, and
+    # root checks still apply
+    g = DynamicGraph()
+    g.add_edges([0, 1], [1, 2], [0.0, 1.0])
+    sampler = TemporalSampler(g, [])
+    assert sampler.sample(torch.tensor([0, 1]), torch.tensor([5.0, 5.0])) == []
+    with pytest.raises(ValueError, match="negative id"):
+        sampler.sample(torch.tensor([-1]), torch.tensor([5.0]))
 
 
 @pytest.mark.gpu

@@ -53,10 +53,19 @@ def wiki():
 # ---- learning on real data -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("model", ["tgn", "tgat"])
-def test_continual_run_learns(model, wiki, tmp_path):
-    cfg = small_config(tmp_path, model={"name": model})
-    learner = ContinualLearner(cfg, wiki)
+@pytest.mark.parametrize(
+    ("model", "over"),
+    [
+        ("tgn", {}),
+        ("tgat", {}),
+        # JODIE learns from memory alone (no neighbours): it needs more events to get going
+        ("jodie", {"data": {"max_events": 10000}, "train": {"lr": 1e-2}}),
+    ],
+)
+def test_continual_run_learns(model, over, wiki, tmp_path):
+    cfg = small_config(tmp_path, model={"name": model}, **over)
+    stream = wiki if cfg.data.max_events == 3000 else load_stream("wikipedia", cfg.data.max_events)
+    learner = ContinualLearner(cfg, stream)
     end = learner.phase1_end
     val_start = end - int(end * cfg.continual.val_fraction)
     learner.ingest(0, end)

@@ -30,7 +30,7 @@ log = logging.getLogger("tidegraph.jobs.train")
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m tidegraph.jobs.train", description=__doc__)
     p.add_argument("--config", help="YAML file mapped onto RunConfig")
-    p.add_argument("--model", help="tgn, tgat, dysat or sage")
+    p.add_argument("--model", help="tgn, tgat, dysat, sage or jodie")
     p.add_argument("--dataset", help="wikipedia, collegemsg or a file path")
     p.add_argument("--max-events", type=int, help="use only the first N events")
     p.add_argument("--increments", type=int, help="number of equal-count increments")

@@ -1,9 +1,10 @@
 """Temporal GNN models in pure PyTorch over the sampler's dense blocks: TGN, TGAT, DySAT-style
-snapshots and a GraphSAGE baseline, with an MLP link predictor."""
+snapshots, JODIE and a GraphSAGE baseline, with an MLP link predictor."""
 
 from tidegraph.models.base import LinkPredictor, TemporalModel
 from tidegraph.models.config import MODELS, ModelConfig, build_model
 from tidegraph.models.dysat import DySAT
+from tidegraph.models.jodie import JODIE
 from tidegraph.models.memory import TGNMemory
 from tidegraph.models.sage import GraphSAGE
 from tidegraph.models.tgat import TGAT
@@ -13,6 +14,7 @@ from tidegraph.models.time_encoding import TimeEncoder
 __all__ = [
     "DySAT",
     "GraphSAGE",
+    "JODIE",
     "LinkPredictor",
     "MODELS",
     "ModelConfig",

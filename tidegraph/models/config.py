@@ -1,7 +1,8 @@
 """Model configuration and the factory that builds a model from it.
 
 `ModelConfig.num_layers` left at None takes the model's usual depth (TGN 1, TGAT 2, DySAT 1
-per snapshot, GraphSAGE 2); the run config checks it against the sampler's fanouts.
+per snapshot, GraphSAGE 2, JODIE 0: no neighbours); the run config checks it against the
+sampler's fanouts.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 
 from tidegraph.models.base import TemporalModel
 from tidegraph.models.dysat import DySAT
+from tidegraph.models.jodie import JODIE
 from tidegraph.models.sage import GraphSAGE
 from tidegraph.models.tgat import TGAT
 from tidegraph.models.tgn import TGN
@@ -17,8 +19,8 @@ from tidegraph.models.time_encoding import TimeEncoder
 
 __all__ = ["MODELS", "ModelConfig", "build_model"]
 
-MODELS = ("tgn", "tgat", "dysat", "sage")
-DEFAULT_LAYERS = {"tgn": 1, "tgat": 2, "dysat": 1, "sage": 2}
+MODELS = ("tgn", "tgat", "dysat", "sage", "jodie")
+DEFAULT_LAYERS = {"tgn": 1, "tgat": 2, "dysat": 1, "sage": 2, "jodie": 0}
 
 
 @dataclass(kw_only=True)
@@ -44,7 +46,12 @@ class ModelConfig:
             raise ValueError(f"model.dim ({self.dim}) must be divisible by model.heads")
         if self.num_layers is None:
             self.num_layers = DEFAULT_LAYERS[self.name]
-        if self.num_layers < 1:
+        if self.name == "jodie" and self.num_layers != 0:
+            raise ValueError(
+                f"model.num_layers must be 0 for jodie (it samples no neighbours), "
+                f"got {self.num_layers}"
+            )
+        if self.name != "jodie" and self.num_layers < 1:
             raise ValueError(f"model.num_layers must be >= 1, got {self.num_layers}")
 
 
@@ -63,6 +70,8 @@ def build_model(
     elif c.name == "tgat":
         nodes = dict(node_features=node_features, node_feat_dim=node_feat_dim)
         model = TGAT(num_nodes, c.dim, c.time_dim, edge_dim, c.num_layers, c.heads, **nodes)
+    elif c.name == "jodie":
+        model = JODIE(num_nodes, c.dim, c.memory_dim, c.time_dim, edge_dim)
     elif c.name == "dysat":
         nodes = dict(node_features=node_features, node_feat_dim=node_feat_dim)
         model = DySAT(num_nodes, num_snapshots, c.dim, c.num_layers, c.heads, **nodes)

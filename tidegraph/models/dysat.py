@@ -12,7 +12,12 @@ import torch
 from torch import nn
 
 from tidegraph.models.base import TemporalModel
-from tidegraph.models.layers import NodeInput, TemporalAttention, blocks_bottom_up
+from tidegraph.models.layers import (
+    NodeInput,
+    TemporalAttention,
+    blocks_bottom_up,
+    project_distinct,
+)
 
 __all__ = ["DySAT"]
 
@@ -54,9 +59,14 @@ class DySAT(TemporalModel):
 
     def _structural(self, blocks: list) -> torch.Tensor:
         def layer(i, block, h_root, h_nbr):
-            return self.structural[i](h_root, h_nbr, block.dt[block.mask], None, block.mask)
+            valid = block.mask
+            kv_nbr = None
+            if i == 0:
+                nbr = block.nbr_ids[valid]
+                kv_nbr = project_distinct(self.structural[0], self.node_input, nbr)
+            return self.structural[i](h_root, h_nbr, block.dt[valid], None, valid, kv_nbr)
 
-        return blocks_bottom_up(blocks, self.node_input, layer)
+        return blocks_bottom_up(blocks, self.node_input, layer, bottom_nbr_states=False)
 
     def grow(self, num_nodes: int) -> None:
         self.node_input.grow(num_nodes)

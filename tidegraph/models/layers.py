@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tidegraph.ops import gather_rows
 from tidegraph.sampling.block import Block
 
 __all__ = [
@@ -20,6 +21,7 @@ __all__ = [
     "MeanAggregator",
     "edge_features",
     "blocks_bottom_up",
+    "project_distinct",
 ]
 
 
@@ -51,7 +53,7 @@ class NodeInput(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """States of `ids` (valid ids only)."""
         if self.table is not None:
-            return self.table[ids]
+            return gather_rows(self.table, ids)
         return self.proj(self.features.get(ids).to(self.proj.weight.device))
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
@@ -66,7 +68,9 @@ class TemporalAttention(nn.Module):
 
     Keys and values are W [state] plus one projection of [phi(dt), edge] added to both (as in
     TransformerConv's edge attributes), each part its own linear map so that no per-slot concat
-    is built and a caller may project each distinct neighbour state once (`kv_nbr`).
+    is built and a caller may project each distinct neighbour state once (`kv_nbr`); keys and
+    values have separate maps so that neither is a view into a shared tensor (the backward of
+    such a split copies both halves again).
     `time_enc` None means no time features (DySAT's structural attention).
     """
 
@@ -80,8 +84,11 @@ class TemporalAttention(nn.Module):
         self.out_dim = out_dim
         self.time_enc = time_enc
         time_dim = time_enc.dim if time_enc is not None else 0
-        self.q = nn.Linear(in_dim + time_dim, out_dim)
-        self.kv = nn.Linear(in_dim, 2 * out_dim)
+        self.q = nn.Linear(in_dim, out_dim)
+        # the query's time part is phi(0), the same for every root: one row, broadcast
+        self.q_time = nn.Linear(time_dim, out_dim, bias=False) if time_dim else None
+        self.key = nn.Linear(in_dim, out_dim)
+        self.value = nn.Linear(in_dim, out_dim)
         self.kv_time = nn.Linear(time_dim, out_dim, bias=False) if time_dim else None
         self.kv_edge = nn.Linear(edge_dim, out_dim, bias=False) if edge_dim else None
         self.merge = nn.Sequential(
@@ -96,33 +103,35 @@ class TemporalAttention(nn.Module):
         dt: torch.Tensor,  # [V] time since each neighbour's edge
         e_feat: torch.Tensor | None,  # [V, De] or None
         mask: torch.Tensor,  # [R, K]
-        kv_nbr: torch.Tensor | None = None,  # [V, 2 out], self.kv(h_nbr) computed by the caller
+        kv_nbr: tuple[torch.Tensor, torch.Tensor] | None = None,  # project(h_nbr), by the caller
     ) -> torch.Tensor:
         """`kv_nbr` lets a caller project each distinct neighbour once and gather the rows."""
         r, k = mask.shape
         h, d = self.heads, self.out_dim // self.heads
-        query = h_root
-        kv = self.kv(h_nbr) if kv_nbr is None else kv_nbr
+        k_V, v_V = self.project(h_nbr) if kv_nbr is None else kv_nbr
+        query = self.q(h_root)
         edge = None  # [V, out]: added to both keys and values
         if self.time_enc is not None:
-            phi_zero = self.time_enc(dt.new_zeros(1)).expand(r, -1)
-            query = torch.cat([h_root, phi_zero], -1)
+            query = query + self.q_time(self.time_enc(dt.new_zeros(1)))
             edge = self.kv_time(self.time_enc(dt))
         if self.kv_edge is not None and e_feat is not None:
             edge = self.kv_edge(e_feat) if edge is None else edge + self.kv_edge(e_feat)
-        k_V, v_V = kv.view(-1, 2, h, d).unbind(1)
         if edge is not None:
-            edge = edge.view(-1, h, d)
             k_V, v_V = k_V + edge, v_V + edge
+        k_V, v_V = k_V.view(-1, h, d), v_V.view(-1, h, d)
         row = mask.nonzero()[:, 0]  # root of each valid slot (row-major, like h_nbr)
-        q_V = self.q(query).view(r, h, d)[row]
+        q_V = gather_rows(query.view(r, h, d), row)
         score_V = (q_V * k_V).sum(-1) / d**0.5  # [V, H]
         # softmax over each root's valid slots, laid out densely only as [R, K, H] scores
         fill = torch.finfo(score_V.dtype).min
         score = score_V.new_full((r, k, h), fill).index_put((mask,), score_V)
         attn_V = torch.softmax(score, 1)[mask]  # [V, H]
-        agg = kv.new_zeros(r, h, d).index_add(0, row, attn_V.unsqueeze(-1) * v_V).view(r, -1)
+        agg = v_V.new_zeros(r, h, d).index_add(0, row, attn_V.unsqueeze(-1) * v_V).view(r, -1)
         return self.norm(self.merge(torch.cat([agg, h_root], -1)))
+
+    def project(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Node parts of keys and values of states `h` [n, Din]: ([n, out], [n, out])."""
+        return self.key(h), self.value(h)
 
 
 class MeanAggregator(nn.Module):
@@ -143,6 +152,16 @@ def edge_features(store, edge_dim: int, eids: torch.Tensor, like: torch.Tensor):
     if edge_dim == 0 or store is None:
         return None
     return store.get(eids).to(like.device, like.dtype)
+
+
+def project_distinct(
+    att: TemporalAttention, h0, ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`att.project(h0(ids))` projecting each distinct id once: the bottom layer's neighbour
+    states depend on the id alone, and a hop holds each node many times (TGAT's second hop:
+    ~66k slots over a few thousand nodes on wikipedia)."""
+    uniq, inv = torch.unique(ids, return_inverse=True)
+    return tuple(gather_rows(x, inv) for x in att.project(h0(uniq)))
 
 
 def blocks_bottom_up(

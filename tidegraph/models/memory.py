@@ -6,12 +6,13 @@ State (buffers, so they are part of the owning model's `state_dict`):
   node's latest observed event that is not folded into its memory yet (`has_msg` [N]).
 
 Flow per batch, as in TGN: `updated(ids)` folds each node's pending message into its memory
-with the message function and the GRU, differentiably and without side effects; `commit(ids,
+with the message function and the updater, differentiably and without side effects; `commit(ids,
 mem, last)` writes the (detached) result back and clears those messages; `observe(src, dst, t,
 feat)` stores the batch's events as the new pending messages, keeping per node only its latest
 event (last-message aggregator, by a scatter-amax over event positions, so duplicates never
 race). The message function is TGN's identity: [own memory, other's memory, phi(t - last
-update), edge features]. The node table grows with `grow(n)` as the stream brings new nodes.
+update), edge features]; the updater is TGN's GRU or JODIE's RNN. The node table grows with
+`grow(n)` as the stream brings new nodes.
 """
 
 from __future__ import annotations
@@ -20,19 +21,27 @@ import torch
 from torch import nn
 
 from tidegraph.models.time_encoding import TimeEncoder
+from tidegraph.ops import gather_rows
 
 __all__ = ["TGNMemory"]
 
+_CELLS = {"gru": nn.GRUCell, "rnn": nn.RNNCell}
+
 
 class TGNMemory(nn.Module):
-    """Per-node memory with GRU updater, identity message function and last aggregator."""
+    """Per-node memory with a GRU (TGN) or plain RNN (JODIE) updater, identity message
+    function and last aggregator."""
 
-    def __init__(self, num_nodes: int, memory_dim: int, time_dim: int, edge_dim: int) -> None:
+    def __init__(
+        self, num_nodes: int, memory_dim: int, time_dim: int, edge_dim: int, cell: str = "gru"
+    ) -> None:
         super().__init__()
+        if cell not in _CELLS:
+            raise ValueError(f"TGNMemory: cell must be one of {sorted(_CELLS)}, got {cell!r}")
         self.memory_dim = memory_dim
         self.edge_dim = edge_dim
         self.time_enc = TimeEncoder(time_dim)
-        self.gru = nn.GRUCell(2 * memory_dim + time_dim + edge_dim, memory_dim)
+        self.updater = _CELLS[cell](2 * memory_dim + time_dim + edge_dim, memory_dim)
         self._alloc(num_nodes)
 
     def _alloc(self, n: int, device: torch.device | None = None) -> None:
@@ -71,21 +80,22 @@ class TGNMemory(nn.Module):
         Only rows with a pending message go through the GRU (one host sync on CUDA for the
         row count); the others keep their memory unchanged.
         """
-        mem = self.memory[ids]
-        last = self.last_update[ids]
-        rows = self.has_msg[ids].nonzero().squeeze(1)
-        sub = ids[rows]
-        msg_t = self.msg_t[sub]
+        mem = gather_rows(self.memory, ids)
+        last = self.last_update.index_select(0, ids)
+        rows = self.has_msg.index_select(0, ids).nonzero().squeeze(1)
+        sub = ids.index_select(0, rows)
+        msg_t = self.msg_t.index_select(0, sub)
+        own = gather_rows(mem, rows)
         msg = torch.cat(
             [
-                mem[rows],
-                self.memory[self.msg_other[sub]],
-                self.time_enc((msg_t - last[rows]).float()),
-                self.msg_feat[sub].to(mem.dtype),
+                own,
+                gather_rows(self.memory, self.msg_other.index_select(0, sub)),
+                self.time_enc((msg_t - last.index_select(0, rows)).float()),
+                gather_rows(self.msg_feat, sub).to(mem.dtype),
             ],
             -1,
         )
-        new = self.gru(msg, mem[rows])
+        new = self.updater(msg, own)
         return mem.index_copy(0, rows, new), last.index_copy(0, rows, msg_t)
 
     @torch.no_grad()

@@ -11,7 +11,13 @@ import torch
 from torch import nn
 
 from tidegraph.models.base import TemporalModel
-from tidegraph.models.layers import NodeInput, TemporalAttention, blocks_bottom_up, edge_features
+from tidegraph.models.layers import (
+    NodeInput,
+    TemporalAttention,
+    blocks_bottom_up,
+    edge_features,
+    project_distinct,
+)
 from tidegraph.models.time_encoding import TimeEncoder
 
 __all__ = ["TGAT"]
@@ -40,10 +46,14 @@ class TGAT(TemporalModel):
 
     def embed(self, ids: torch.Tensor, ts: torch.Tensor, blocks: list) -> torch.Tensor:
         def layer(i, block, h_root, h_nbr):
-            e = edge_features(self.edge_store, self.edge_dim, block.nbr_eids[block.mask], h_root)
-            return self.layers[i](h_root, h_nbr, block.dt[block.mask], e, block.mask)
+            valid = block.mask
+            e = edge_features(self.edge_store, self.edge_dim, block.nbr_eids[valid], h_root)
+            kv_nbr = None
+            if i == 0:
+                kv_nbr = project_distinct(self.layers[0], self.node_input, block.nbr_ids[valid])
+            return self.layers[i](h_root, h_nbr, block.dt[valid], e, valid, kv_nbr)
 
-        return blocks_bottom_up(blocks, self.node_input, layer)
+        return blocks_bottom_up(blocks, self.node_input, layer, bottom_nbr_states=False)
 
     def grow(self, num_nodes: int) -> None:
         self.node_input.grow(num_nodes)

@@ -3,6 +3,7 @@
 Layer-0 node states are the memories (with pending messages folded in, differentiably) of every
 node the blocks touch; `num_layers` attention layers (one by default, as in the paper) run over
 the blocks bottom-up. The memory's node state lives in buffers, so `state_dict()` carries it.
+`MemoryModel` holds the batch protocol (commit, discard, snapshots) that JODIE shares.
 """
 
 from __future__ import annotations
@@ -14,51 +15,22 @@ from tidegraph.models.base import TemporalModel
 from tidegraph.models.layers import TemporalAttention, blocks_bottom_up, edge_features
 from tidegraph.models.memory import TGNMemory
 from tidegraph.models.time_encoding import TimeEncoder
+from tidegraph.ops import gather_rows
 from tidegraph.storage.events import EventBatch
 
-__all__ = ["TGN"]
+__all__ = ["MemoryModel", "TGN"]
 
 
-class TGN(TemporalModel):
-    def __init__(
-        self,
-        num_nodes: int,
-        dim: int = 100,
-        memory_dim: int = 100,
-        time_dim: int = 100,
-        edge_dim: int = 0,
-        num_layers: int = 1,
-        heads: int = 2,
-    ) -> None:
+class MemoryModel(TemporalModel):
+    """A model whose node state is a `TGNMemory` (`self.memory`): `embed` stashes the updated
+    rows it computed as `(ids, memory, last_update)`, `commit` writes them back."""
+
+    memory: TGNMemory
+    edge_dim: int = 0
+
+    def __init__(self, dim: int) -> None:
         super().__init__(dim)
-        self.num_layers = num_layers
-        self.edge_dim = edge_dim
-        self.memory = TGNMemory(num_nodes, memory_dim, time_dim, edge_dim)
-        self.time_enc = TimeEncoder(time_dim)
-        self.layers = nn.ModuleList(
-            TemporalAttention(memory_dim if i == 0 else dim, self.time_enc, edge_dim, dim, heads)
-            for i in range(num_layers)
-        )
         self._stash = None
-
-    def embed(self, ids: torch.Tensor, ts: torch.Tensor, blocks: list) -> torch.Tensor:
-        n_id = torch.unique(torch.cat([ids] + [b.nbr_ids[b.mask] for b in blocks]))
-        mem, last = self.memory.updated(n_id)
-        self._stash = (n_id, mem, last)
-
-        def h0(x: torch.Tensor) -> torch.Tensor:
-            return mem[torch.searchsorted(n_id, x)]
-
-        def layer(i, block, h_root, h_nbr):
-            valid = block.mask
-            e = edge_features(self.edge_store, self.edge_dim, block.nbr_eids[valid], h_root)
-            kv_nbr = None
-            if i == 0:  # project each distinct node's memory once, then gather per slot
-                pos = torch.searchsorted(n_id, block.nbr_ids[valid])
-                kv_nbr = self.layers[0].kv(mem)[pos]
-            return self.layers[i](h_root, h_nbr, block.dt[valid], e, valid, kv_nbr)
-
-        return blocks_bottom_up(blocks, h0, layer, bottom_nbr_states=False)
 
     def grow(self, num_nodes: int) -> None:
         self.memory.grow(num_nodes)
@@ -84,3 +56,44 @@ class TGN(TemporalModel):
     def load_node_state(self, state: dict) -> None:
         self._stash = None
         self.memory.load_state_tensors(state)
+
+
+class TGN(MemoryModel):
+    def __init__(
+        self,
+        num_nodes: int,
+        dim: int = 100,
+        memory_dim: int = 100,
+        time_dim: int = 100,
+        edge_dim: int = 0,
+        num_layers: int = 1,
+        heads: int = 2,
+    ) -> None:
+        super().__init__(dim)
+        self.num_layers = num_layers
+        self.edge_dim = edge_dim
+        self.memory = TGNMemory(num_nodes, memory_dim, time_dim, edge_dim)
+        self.time_enc = TimeEncoder(time_dim)
+        self.layers = nn.ModuleList(
+            TemporalAttention(memory_dim if i == 0 else dim, self.time_enc, edge_dim, dim, heads)
+            for i in range(num_layers)
+        )
+
+    def embed(self, ids: torch.Tensor, ts: torch.Tensor, blocks: list) -> torch.Tensor:
+        n_id = torch.unique(torch.cat([ids] + [b.nbr_ids[b.mask] for b in blocks]))
+        mem, last = self.memory.updated(n_id)
+        self._stash = (n_id, mem, last)
+
+        def h0(x: torch.Tensor) -> torch.Tensor:
+            return gather_rows(mem, torch.searchsorted(n_id, x))
+
+        def layer(i, block, h_root, h_nbr):
+            valid = block.mask
+            e = edge_features(self.edge_store, self.edge_dim, block.nbr_eids[valid], h_root)
+            kv_nbr = None
+            if i == 0:  # project each distinct node's memory once, then gather per slot
+                pos = torch.searchsorted(n_id, block.nbr_ids[valid])
+                kv_nbr = tuple(gather_rows(x, pos) for x in self.layers[0].project(mem))
+            return self.layers[i](h_root, h_nbr, block.dt[valid], e, valid, kv_nbr)
+
+        return blocks_bottom_up(blocks, h0, layer, bottom_nbr_states=False)

@@ -9,7 +9,8 @@ Semantics (DESIGN.md, "Data model and semantics"):
   fanout slot), ordered newest first; draws come from the sampler's own generator, so a seed
   makes them reproducible;
 - hop l+1's roots are hop l's roots followed by its valid neighbours in row-major order, each
-  at the time of the edge that reached it; a snapshot's window stays that of the original root.
+  at the time of the edge that reached it; a snapshot's window stays that of the original root;
+- `fanouts=[]` samples no hop (models without neighbours, JODIE): `sample` returns no blocks.
 
 Per hop the work is: per segment a `searchsorted` for the node and a fixed-step binary search for
 the time bounds; then one gather of at most k candidates per segment and, with more than one
@@ -22,6 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
+from tidegraph.ops import gather_rows
 from tidegraph.sampling.block import Block
 from tidegraph.storage.graph import DynamicGraph
 from tidegraph.storage.segment import Segment
@@ -51,7 +53,7 @@ class TemporalSampler:
             raise ValueError(
                 f"TemporalSampler: strategy must be one of {_STRATEGIES}, got {strategy!r}"
             )
-        if not fanouts or any(int(k) != k or k < 1 for k in fanouts):
+        if any(int(k) != k or k < 1 for k in fanouts):
             raise ValueError(
                 f"TemporalSampler: fanouts must be positive integers, got {list(fanouts)}"
             )
@@ -249,9 +251,9 @@ def _gather(
     for s, seg in enumerate(segments):
         here = valid_RC & (seg_RC == s)
         p = torch.where(here, pos_RC, 0).clamp_(0, seg.num_edges - 1)
-        nbr = torch.where(here, seg.nbr[p].long(), nbr)
-        t = torch.where(here, seg.t[p], t)
-        eid = torch.where(here, seg.eid[p], eid)
+        nbr = torch.where(here, gather_rows(seg.nbr, p).long(), nbr)
+        t = torch.where(here, gather_rows(seg.t, p), t)
+        eid = torch.where(here, gather_rows(seg.eid, p), eid)
     return nbr, t, eid
 
 

@@ -135,9 +135,9 @@ class Segment:
         """[lo, hi) of each root's edges in this segment; empty for nodes not present."""
         idx = torch.searchsorted(self.nodes, roots)
         idx_c = idx.clamp(max=max(self.nodes.numel() - 1, 0))
-        found = (idx < self.nodes.numel()) & (self.nodes[idx_c] == roots)
-        lo = torch.where(found, self.offsets[idx_c], 0)
-        hi = torch.where(found, self.offsets[idx_c + 1], 0)
+        found = (idx < self.nodes.numel()) & (self.nodes.index_select(0, idx_c) == roots)
+        lo = torch.where(found, self.offsets.index_select(0, idx_c), 0)
+        hi = torch.where(found, self.offsets.index_select(0, idx_c + 1), 0)
         return lo, hi
 
     def lower_bound(
@@ -158,16 +158,16 @@ class Segment:
         if sync_free:
             return self._search(lo.clone(), hi.clone(), bound, max(self.max_degree, 1))
         last = self.num_edges - 1
-        first_new = self.t[lo.clamp(max=last)] >= bound
-        last_old = self.t[(hi - 1).clamp(min=0)] < bound
+        first_new = self.t.index_select(0, lo.clamp(max=last)) >= bound
+        last_old = self.t.index_select(0, (hi - 1).clamp(min=0)) < bound
         out = torch.where(last_old, hi, lo)
         split = ((hi - lo) > 1) & ~first_new & ~last_old
         rows = split.nonzero().squeeze(1)
         if rows.numel() == 0:
             return out
         # t[lo] < bound <= t[hi - 1] is known: the answer lies in (lo, hi - 1]
-        lo, hi = lo[rows] + 1, hi[rows] - 1
-        found = self._search(lo, hi, bound[rows], int((hi - lo).max()))
+        lo, hi = lo.index_select(0, rows) + 1, hi.index_select(0, rows) - 1
+        found = self._search(lo, hi, bound.index_select(0, rows), int((hi - lo).max()))
         return out.index_put_((rows,), found)
 
     def _search(
@@ -178,7 +178,7 @@ class Segment:
         last = self.num_edges - 1
         for _ in range(width.bit_length()):
             mid = (lo + hi) >> 1
-            older = (self.t[mid.clamp(max=last)] < bound) & (lo < hi)
+            older = (self.t.index_select(0, mid.clamp(max=last)) < bound) & (lo < hi)
             lo = torch.where(older, mid + 1, lo)
             hi = torch.where(older, hi, mid)
         return lo

@@ -45,7 +45,7 @@ class SamplerConfig:
                 f"sampler.strategy must be 'recent' or 'uniform', got {self.strategy!r}"
             )
         if self.fanouts is not None:
-            if not self.fanouts or any(int(k) != k or k < 1 for k in self.fanouts):
+            if any(int(k) != k or k < 1 for k in self.fanouts):
                 raise ValueError(f"sampler.fanouts must be positive integers, got {self.fanouts}")
             self.fanouts = [int(k) for k in self.fanouts]
         if self.num_snapshots is not None and self.num_snapshots < 1:
