@@ -1,22 +1,51 @@
 #!/usr/bin/env bash
-# One call's worth of GPU checks for the device machine (see README "Benchmarks"):
-#   the gpu-marked tests, then the GPU benchmarks, logs and JSON under $OUT (or benchmarks/out).
-# Usage there:  bash benchmarks/gpu_suite.sh [quick]
+# The GPU machine's checks in a few device calls (each part fits one 10-minute call):
+#   bash benchmarks/gpu_suite.sh PART [PART ...]
+# PARTs, in the order a session with a GPU should run them:
+#   tests    the gpu-marked tests
+#   graph    graph store insert rate and bytes/edge: 100M edges on cuda, 1B edges pinned
+#   sampler  sampler on 1M and 100M-edge graphs (cuda), 100M pinned
+#   cache    feature cache: hit rates and cached vs pinned-host fetch time (cuda)
+#   train    TGN vs PyG epoch time and AP on cuda; continual/offline accuracy (tgn, tgat, jodie)
+#   quick    a short smoke run of tests, graph and sampler
+# Logs and JSON go to $OUT (the device tool's folder) or benchmarks/out.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-benchmarks/out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
 nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$out/gpu.txt"
-python3 -m pytest -m gpu -q -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log"
-if [ "${1:-}" = quick ]; then
-  python3 benchmarks/bench_graph.py --device cuda --total 10_000_000 2>&1 | tee "$out/graph.log"
-  python3 benchmarks/bench_sampler.py --device cuda --edges 1_000_000 2>&1 | tee "$out/sampler.log"
-else
-  python3 benchmarks/bench_graph.py --device cuda --total 100_000_000 2>&1 | tee "$out/graph.log"
-  python3 benchmarks/bench_graph.py --device pinned --total 1_000_000_000 --batches 1_000_000 \
-    --out graph_pinned_1b.json 2>&1 | tee "$out/graph_pinned.log"
-  python3 benchmarks/bench_sampler.py --device cuda --edges 1_000_000,100_000_000 2>&1 \
-    | tee "$out/sampler.log"
-fi
+run() {  # run NAME CMD...: tee the output to $out/NAME.log
+  local name=$1
+  shift
+  echo "== $name: $*"
+  "$@" 2>&1 | tee "$out/$name.log"
+}
+for part in "${@:-quick}"; do
+  case $part in
+    tests) run gpu_tests python3 -m pytest -m gpu -q -p no:cacheprovider ;;
+    graph)
+      run graph_cuda python3 benchmarks/bench_graph.py --device cuda --total 100_000_000
+      run graph_pinned_1b python3 benchmarks/bench_graph.py --device pinned \
+        --total 1_000_000_000 --batches 1_000_000 --out graph_pinned_1b.json
+      ;;
+    sampler)
+      run sampler_cuda python3 benchmarks/bench_sampler.py --device cuda \
+        --edges 1_000_000,100_000_000
+      run sampler_pinned python3 benchmarks/bench_sampler.py --device pinned \
+        --edges 100_000_000 --iters 20
+      ;;
+    cache) run cache_cuda python3 benchmarks/bench_cache.py --device cuda --full ;;
+    train)
+      run vs_pyg_cuda python3 benchmarks/bench_vs_pyg.py --device cuda
+      run train_cuda python3 benchmarks/bench_train.py --device cuda --models tgn tgat jodie
+      ;;
+    quick)
+      run gpu_tests python3 -m pytest -m gpu -q -p no:cacheprovider
+      run graph_quick python3 benchmarks/bench_graph.py --device cuda --total 10_000_000
+      run sampler_quick python3 benchmarks/bench_sampler.py --device cuda --edges 1_000_000
+      ;;
+    *) echo "gpu_suite.sh: unknown part $part" >&2; exit 2 ;;
+  esac
+done
 cp benchmarks/out/*.json "$out"/ 2>/dev/null || true
