@@ -56,6 +56,27 @@ def test_every_model_scores_and_backpropagates(name, device):
     assert grads and all(torch.isfinite(g).all() for g in grads)
 
 
+@pytest.mark.parametrize("name", ["tgat", "sage", "dysat", "tgn"])
+def test_deduplicated_hops_give_the_same_scores(name, device):
+    # recent sampling: a deduplicated layout is the same neighbourhoods, so the same scores
+    torch.manual_seed(0)
+    graph, src, dst, t = _graph(device)
+    cfg = ModelConfig(name=name, num_layers=2, **SMALL)
+    snaps = 2 if name == "dysat" else 1
+    kw = dict(num_snapshots=snaps, snapshot_window=50.0 if snaps > 1 else 0.0)
+    model = build_model(cfg, graph.num_nodes, num_snapshots=snaps).to(device).eval()
+    neg = torch.randint(0, 40, (32, 3), device=device)
+    roots, ts = link_roots(src[200:232], dst[200:232], neg, t[200:232])
+    scores = []
+    for dedup in (False, True):
+        blocks = TemporalSampler(graph, [5, 5], dedup=dedup, **kw).sample(roots, ts)
+        with torch.no_grad():
+            scores.append(model.score(src[200:232], dst[200:232], neg, t[200:232], blocks))
+        model.discard()
+    for a, b in zip(*scores, strict=True):
+        torch.testing.assert_close(a, b)
+
+
 def _block(dst_ids, nbr_ids, mask, t=10.0):
     r, k = nbr_ids.shape
     ts = torch.full((r,), t, dtype=torch.float64)

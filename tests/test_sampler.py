@@ -159,6 +159,46 @@ def test_recent_snapshots_equal_reference(data, num_snapshots, w):
             assert _rows(block) == rows
 
 
+def _expand(blocks: list[Block]) -> list[list]:
+    """Per hop, the (root, root time, rows) of every root of the full layout, read from a
+    deduplicated sampling through `next_index`."""
+    out, rows_of = [], list(range(blocks[0].num_roots))  # full root -> row of this block
+    for hop, block in enumerate(blocks):
+        rows = _rows(block)
+        out.append([(int(block.dst_ids[j]), float(block.dst_ts[j]), rows[j]) for j in rows_of])
+        if hop + 1 == len(blocks):
+            break
+        counts = block.mask.sum(1).tolist()
+        starts = [sum(counts[:j]) for j in range(block.num_roots)]
+        nbrs = [block.num_roots + starts[j] + c for j in rows_of for c in range(counts[j])]
+        rows_of = block.next_index[rows_of + nbrs].tolist()
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(graph_and_roots(), st.sampled_from([[2, 2], [3, 1, 2]]), st.integers(1, 2))
+def test_dedup_recent_is_the_full_layout_deduplicated(data, fanouts, num_snapshots):
+    batches, roots, ts = data
+    g, _ = _build(batches)
+    kw = dict(num_snapshots=num_snapshots, snapshot_window=2.0 if num_snapshots > 1 else 0.0)
+    full = TemporalSampler(g, fanouts, **kw).sample(torch.tensor(roots), torch.tensor(ts))
+    dedup = TemporalSampler(g, fanouts, dedup=True, **kw)
+    dd = dedup.sample(torch.tensor(roots), torch.tensor(ts))
+    if num_snapshots == 1:
+        full, dd = [full], [dd]
+    for f_blocks, d_blocks in zip(full, dd, strict=True):
+        for block in d_blocks[1:] if num_snapshots == 1 else []:
+            # each later hop holds distinct (root, time) pairs (with snapshots, distinct
+            # (root, time, window start), and the window start is not in the block)
+            pairs = list(zip(block.dst_ids.tolist(), block.dst_ts.tolist(), strict=True))
+            assert len(set(pairs)) == len(pairs)
+        expected = [
+            list(zip(b.dst_ids.tolist(), b.dst_ts.tolist(), _rows(b), strict=True))
+            for b in f_blocks
+        ]
+        assert _expand(d_blocks) == expected
+
+
 @settings(max_examples=40, deadline=None)
 @given(graph_and_roots(), st.integers(1, 4))
 def test_uniform_is_valid(data, k):

@@ -172,7 +172,9 @@ def blocks_bottom_up(
     `h0(ids)` gives layer-0 states of valid ids; `layer_fn(l, block, h_root, h_nbr)` applies
     layer l (0 is the bottom) to one block, with `h_nbr` the states of its valid neighbour
     slots in row-major order, and returns one row per root. The next hop's roots are this hop's
-    roots followed by its valid neighbours, so its output splits into (roots, valid slots).
+    roots followed by its valid neighbours, so its output splits into (roots, valid slots);
+    where the sampler deduplicated the next hop's roots, the output is first expanded through
+    `next_index` (one row per (node, time) pair computed, copied to each slot that holds it).
     With `bottom_nbr_states` False the bottom layer gets None for `h_nbr` (a caller that
     projects neighbour states itself skips the gather).
     """
@@ -184,6 +186,8 @@ def blocks_bottom_up(
         block = blocks[depth - 1 - layer]
         out = layer_fn(layer, block, h_root, h_nbr)
         if layer + 1 < depth:
-            r = blocks[depth - 2 - layer].num_roots
-            h_root, h_nbr = out[:r], out[r:]
+            upper = blocks[depth - 2 - layer]
+            if upper.next_index is not None:
+                out = gather_rows(out, upper.next_index)
+            h_root, h_nbr = out[: upper.num_roots], out[upper.num_roots :]
     return out

@@ -3,6 +3,10 @@
 Invalid slots (a root with fewer visible neighbours than the fanout) have `mask` False,
 `nbr_ids` and `nbr_eids` -1, `nbr_ts` equal to the root's time and `dt` 0; consumers must
 select or zero them through `mask`, never index with them unmasked.
+
+The next hop's roots are this hop's roots followed by its valid neighbours (`next_roots`). A
+sampler that deduplicates them sets `next_index`: row i of that list is row `next_index[i]` of
+the next block, whose roots are the distinct (node, time) pairs.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ class Block:
     nbr_eids: torch.Tensor  # int64 [R, K]
     dt: torch.Tensor  # float32 [R, K] = dst_ts - nbr_ts
     mask: torch.Tensor  # bool [R, K]
+    next_index: torch.Tensor | None = None  # int64 [R + V]: next_roots() row -> next block row
 
     @property
     def num_roots(self) -> int:
@@ -41,4 +46,5 @@ class Block:
         return ids, ts
 
     def to(self, device: torch.device | str) -> Block:
-        return Block(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+        moved = {f.name: getattr(self, f.name) for f in fields(self)}
+        return Block(**{k: v if v is None else v.to(device) for k, v in moved.items()})

@@ -38,6 +38,9 @@ class SamplerConfig:
     strategy: str = "recent"
     num_snapshots: int | None = None  # None: 3 for dysat, 1 otherwise
     snapshot_window: float = 86400.0  # seconds per snapshot window (dysat)
+    # hops after the first sample each distinct (node, time) root once (TGL's dedup; exact
+    # for "recent", shared draws among identical roots for "uniform")
+    dedup: bool = True
 
     def __post_init__(self) -> None:
         if self.strategy not in ("recent", "uniform"):

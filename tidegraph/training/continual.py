@@ -82,6 +82,7 @@ class ContinualLearner:
             num_snapshots=snaps,
             snapshot_window=s.snapshot_window if snaps > 1 else 0.0,
             seed=config.seed + 1,
+            dedup=s.dedup,
         )
         self.model = build_model(
             config.model, self.stream.num_nodes, self.stream.edge_dim, num_snapshots=snaps
