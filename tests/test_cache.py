@@ -120,6 +120,11 @@ def test_ids_beyond_the_store_read_as_default():
     c = cache(store, capacity=4)
     assert torch.equal(c.get(ids(3, 99)), store.get(ids(3, 99)))
     assert torch.equal(c.get(ids(99))[0], torch.zeros(DIM))
+    assert 99 not in cached(c)  # default rows are served, never cached
+    # a huge id must not size an id table (2^40 entries would be 8 TB), cached or not
+    off = CachedFeatureStore(store, ratio=0.5, device="cpu", enabled=False)
+    for c in (cache(store, capacity=4), off):
+        assert torch.equal(c.get(ids(2, 2**40)), store.get(ids(2, 2**40)))
 
 
 # ---- policies: hand-made sequences ------------------------------------------------------------
@@ -238,6 +243,16 @@ def test_admit_on_write_caches_appended_rows():
     assert cached(c) == new.tolist()
     c.get(new)
     assert c.stats()["hits"] == 2 and c.stats()["bytes_h2d_write"] == 2 * store.row_bytes
+
+
+def test_admit_on_write_moves_only_the_rows_it_admits():
+    store = filled(10)
+    c = cache(store, capacity=2, policy="recency", admit_on_write=True)
+    c.get(ids(1))
+    c.put(ids(1), torch.ones(1, DIM))  # cached: refreshed (one row)
+    c.append(torch.randn(100, DIM))  # two slots: only the two newest rows are fetched
+    assert cached(c) == [108, 109]
+    assert c.stats()["bytes_h2d_write"] == 3 * store.row_bytes
 
 
 def test_pass_through_when_disabled():

@@ -103,6 +103,8 @@ def test_static_roots_see_everything(small_graph, device):
         torch.tensor([1], device=device), torch.full((1,), torch.inf, device=device)
     )
     assert _rows(block) == [[(3, 2.0, 5), (2, 1.0, 4), (1, 0.0, 3)]]
+    # valid slots are infinitely old; invalid ones keep the layout's dt 0 (inf - inf is NaN)
+    assert torch.isinf(block.dt[block.mask]).all() and (block.dt[~block.mask] == 0).all()
 
 
 @st.composite
@@ -277,6 +279,7 @@ def test_empty_graph_and_empty_roots():
         (torch.tensor([0, -2]), torch.tensor([1.0, 1.0]), "root 1 has negative id -2"),
         (torch.tensor([0], dtype=torch.int32), torch.tensor([1.0]), "roots must be int64"),
         (torch.tensor([0, 1]), torch.tensor([1.0]), "ts has shape"),
+        (torch.tensor([0, 1]), torch.tensor([1.0, torch.nan]), "root 1 has time NaN"),
         (torch.tensor([0], device="meta"), torch.tensor([1.0]), "roots is on meta"),
     ],
 )
@@ -300,6 +303,14 @@ def test_bad_roots(roots, ts, match):
 def test_bad_config(kwargs, match):
     with pytest.raises(ValueError, match=match):
         TemporalSampler(DynamicGraph(), **kwargs)
+
+
+def test_unseeded_sampler_leaves_the_global_generator_alone():
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    TemporalSampler(DynamicGraph(), [2])
+    assert torch.equal(torch.rand(3), expected)
 
 
 def test_no_hops_samples_nothing():

@@ -23,6 +23,7 @@ from tidegraph.training import (
     roc_auc,
     run_offline,
 )
+from tidegraph.storage.events import EventBatch
 from tidegraph.training.config import ContinualConfig
 
 SMALL = {
@@ -213,6 +214,15 @@ def test_importance_replay_is_unbiased_and_prefers_changed_nodes(wiki):
     pos, w = replay.select(ev, end, inc, 200_000)
     assert float((f[pos] * w).mean()) == pytest.approx(float(f.mean()), rel=0.02)
     assert float(s[pos].mean()) > float(s.mean())
+
+
+def test_importance_replay_beyond_two_to_the_24_old_events():
+    # torch.multinomial refuses more than 2^24 categories; the replay must not
+    n = 2**24 + 1000
+    src = torch.arange(n) % 1000
+    ev = EventBatch(src, src + 1000, torch.arange(n, dtype=torch.float64), torch.arange(n))
+    pos, w = ImportanceReplay(seed=0).select(ev, n - 500, slice(n - 500, n), 100)
+    assert pos.shape == w.shape == (100,) and int(pos.max()) < n - 500 and (w > 0).all()
 
 
 def test_increments_by_count_and_by_time_window():

@@ -78,7 +78,10 @@ class TemporalSampler:
         self.snapshot_window = float(snapshot_window)
         self.dedup = dedup
         self.generator = torch.Generator(device=graph.device)
-        self.generator.manual_seed(seed if seed is not None else torch.seed())
+        if seed is None:  # a fresh random seed, leaving torch's global generator alone
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(seed)
 
     # ---- public ---------------------------------------------------------------------------
 
@@ -178,12 +181,14 @@ class TemporalSampler:
                 f"TemporalSampler.sample: ts has shape {tuple(ts.shape)}, "
                 f"roots {tuple(roots.shape)}"
             )
-        if roots.numel() and bool((roots < 0).any()):
-            row = int((roots < 0).nonzero()[0])
-            raise ValueError(
-                f"TemporalSampler.sample: root {row} has negative id {int(roots[row])}"
-            )
-        return roots.device
+        bad = (roots < 0) | torch.isnan(ts)  # one host sync for both checks
+        if roots.numel() and bool(bad.any()):
+            row = int(bad.nonzero()[0])
+            if roots[row] < 0:
+                raise ValueError(
+                    f"TemporalSampler.sample: root {row} has negative id {int(roots[row])}"
+                )
+            raise ValueError(f"TemporalSampler.sample: root {row} has time NaN")
 
 
 def _distinct_roots(
@@ -317,6 +322,7 @@ def _to_block(
         nbr_ids=nbr,
         nbr_ts=t,
         nbr_eids=eid,
-        dt=(ts.unsqueeze(1) - t).float(),
+        # invalid slots: 0, also for roots at +inf (static sampling), where inf - inf is NaN
+        dt=torch.where(valid, ts.unsqueeze(1) - t, 0).float(),
         mask=valid,
     )

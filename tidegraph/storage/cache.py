@@ -161,6 +161,7 @@ class CachedFeatureStore(FeatureStore):
         ids = _check_ids(ids, "CachedFeatureStore.restore").to(self.device)
         self._sync_capacity()
         self._tick += 1
+        ids = ids[ids < self.store.num_rows]  # the store's default rows are never cached
         chosen, counts = _rank_for_restore(ids, self._capacity, self.config.policy)
         if self.config.policy == "static":
             self._clear()
@@ -250,9 +251,17 @@ class CachedFeatureStore(FeatureStore):
     # ---- lookup -------------------------------------------------------------------------------
 
     def _serve(self, uniq: torch.Tensor, counts: torch.Tensor, out: torch.Tensor) -> None:
-        """Fill `out` with the rows of the distinct ids `uniq` (sorted); admit misses."""
-        self._grow_index(int(uniq[-1]) + 1)
-        slot = self._id_to_slot[uniq]
+        """Fill `out` with the rows of the distinct ids `uniq` (sorted); admit misses.
+
+        Only ids the store holds are cached; others (the store answers them with its default
+        row) are fetched every time, and a pass-through cache keeps no id table at all, so a
+        huge id never sizes the table."""
+        size = min(int(uniq[-1]) + 1, self.store.num_rows) if self._capacity else 0
+        self._grow_index(size)
+        known = uniq < size
+        slot = torch.full_like(uniq, -1)
+        if size:
+            slot = torch.where(known, self._id_to_slot[uniq.clamp(max=size - 1)], slot)
         hit = slot >= 0
         hit_slots = slot[hit]
         out[hit] = decode(self._rows_at(hit_slots))
@@ -263,8 +272,9 @@ class CachedFeatureStore(FeatureStore):
         rows = self._fetch(miss_ids, "bytes_h2d_miss")
         out[miss] = decode(rows)
         self._stats["fetch_seconds"] += time.perf_counter() - start
-        if self.config.policy != "static":
-            self._admit(miss_ids, counts[miss], rows, protected=hit_slots)
+        if self.config.policy != "static" and size:
+            admit = known[miss]
+            self._admit(miss_ids[admit], counts[miss][admit], _take(rows, admit), hit_slots)
         self._stats["hits"] += int(hit_slots.shape[0])
         self._stats["misses"] += int(miss_ids.shape[0])
 
@@ -287,11 +297,12 @@ class CachedFeatureStore(FeatureStore):
         self,
         ids: torch.Tensor,
         counts: torch.Tensor,
-        rows: EncodedRows,
+        rows: EncodedRows | None,
         protected: torch.Tensor,
         force: bool = False,
     ) -> None:
-        """Place up to `capacity - len(protected)` of `ids` (distinct, uncached) in slots."""
+        """Place up to `capacity - len(protected)` of `ids` (distinct, uncached) in slots;
+        `rows` None: fetch only the rows admitted (writes that were not read)."""
         room = self._capacity - int(protected.shape[0])
         n = min(int(ids.shape[0]), room)
         if n <= 0:
@@ -302,7 +313,11 @@ class CachedFeatureStore(FeatureStore):
             # candidates newest first against victims oldest first: the admitted form a prefix
             ok = (ids[pick] > victim_keys) | (victim_keys == _EMPTY_KEY)
             pick, victims, victim_keys = pick[ok], victims[ok], victim_keys[ok]
-        self._place(ids[pick], counts[pick], _take(rows, pick), victims, victim_keys)
+        if rows is None:
+            rows = self._fetch(ids[pick], "bytes_h2d_write")
+        else:
+            rows = _take(rows, pick)
+        self._place(ids[pick], counts[pick], rows, victims, victim_keys)
 
     def _victims(self, n: int, protected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """n slots to fill, in eviction order, and their keys (never-filled slots first)."""
@@ -381,8 +396,7 @@ class CachedFeatureStore(FeatureStore):
                 self._scale[stale] = rows.scale
         if self.config.admit_on_write and self.config.policy != "static":
             fresh = ids[~cached]
-            rows = self._fetch(fresh, "bytes_h2d_write")
-            self._admit(fresh, torch.ones_like(fresh), rows, protected=stale)
+            self._admit(fresh, torch.ones_like(fresh), None, protected=stale)
 
     # ---- sizing -------------------------------------------------------------------------------
 

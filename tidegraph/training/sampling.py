@@ -97,7 +97,10 @@ class ImportanceReplay(UniformReplay):
         total = float(s.sum())
         uniform = torch.full_like(s, 1.0 / end)
         p = uniform if total == 0 else (1 - self.floor) * s / total + self.floor * uniform
-        pos = torch.multinomial(p, m, replacement=True, generator=self.generator)
+        # inverse-CDF draws: torch.multinomial caps the categories at 2^24 old events
+        cdf = torch.cumsum(p, 0)
+        u = torch.rand(m, generator=self.generator, dtype=torch.float64) * cdf[-1]
+        pos = torch.searchsorted(cdf, u, right=True).clamp_(max=end - 1)
         weight = (1.0 / (end * p[pos])).float()
         return pos, weight
 
