@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tidegraph.jobs.train import parse_config
+from tidegraph.storage.events import EventBatch
 from tidegraph.training import (
     ContinualLearner,
     ImportanceReplay,
@@ -23,7 +24,6 @@ from tidegraph.training import (
     roc_auc,
     run_offline,
 )
-from tidegraph.storage.events import EventBatch
 from tidegraph.training.config import ContinualConfig
 
 SMALL = {
