@@ -120,6 +120,7 @@ def test_bytes_per_edge_within_budget():
         ([0, -1], [1, 2], [0.0, 1.0], "row 1 has a negative id"),
         ([0, 1], [1, 2], [0.0, float("nan")], "row 1 has time nan"),
         ([0, 1], [1, 2], [float("inf"), 0.0], "row 0 has time inf"),
+        ([0, 1], [1, 2], [0.0, 1.7e18], r"row 1 has time 1\.7\d*e\+18, beyond \+-2\^53"),
         ([0, 1], [1], [0.0, 1.0], "equal length"),
         ([0.5, 1.0], [1, 2], [0.0, 1.0], "src must hold integer ids"),
     ],
@@ -132,6 +133,16 @@ def test_bad_input_is_rejected_and_graph_unchanged(src, dst, t, match):
         g.add_edges(torch.tensor(src), torch.tensor(dst), torch.tensor(t))
     assert g.memory_report() == state
     assert _neighbors(g, 0) == [(1, 0.0, 0)]
+
+
+def test_reversed_numpy_views_and_nan_offload():
+    g = DynamicGraph()
+    src, dst, t = np.arange(3), np.arange(1, 4), np.arange(3, dtype=np.float64)
+    g.add_edges(src[::-1], dst[::-1], t[::-1])  # negative strides
+    assert _neighbors(g, 0) == [(1, 0.0, 2)]
+    with pytest.raises(ValueError, match="t is NaN"):
+        g.offload_before(float("nan"))
+    assert g.num_stored_edges == 6
 
 
 def test_state_dict_roundtrip():

@@ -1,6 +1,7 @@
 """Continuous learning on small real data: learning happens, determinism, checkpoint-resume in
 a new process, metrics against brute force, replay weights, increments and config errors."""
 
+import io
 import json
 import subprocess
 import sys
@@ -80,6 +81,50 @@ def test_continual_run_learns(model, over, wiki, tmp_path):
     assert [json.loads(x)["phase"] for x in lines] == ["phase1", "increment", "increment"]
     summary = learner.summary()
     assert {"ap", "auc", "mrr", "forgetting"} <= set(summary)
+
+
+def test_a_file_with_edge_features_and_a_bad_row_trains_through_the_cache(wiki, tmp_path):
+    # a JODIE file (items numbered from 0, 4 feature columns) with one bad row, quarantined
+    ev = wiki.events.select(slice(0, 1500))
+    feat = torch.stack(
+        [ev.t.float() / 1e5, (ev.src % 3).float(), ev.dst.float() / 1e4, ev.label.float()], 1
+    )
+    lines = ["user_id,item_id,timestamp,state_label,f0,f1,f2,f3"]
+    for i in range(len(ev)):
+        f = ",".join(f"{x:.6g}" for x in feat[i].tolist())
+        lines.append(f"{int(ev.src[i])},{int(ev.dst[i]) - 8227},{float(ev.t[i])},0,{f}")
+    lines.insert(700, "5,-3,1000.0,0,1,1,1,1")
+    path, quarantine = tmp_path / "events.csv", tmp_path / "rejected.csv"
+    path.write_text("\n".join(lines) + "\n")
+    cfg = small_config(
+        data={"dataset": str(path), "format": "jodie", "quarantine": str(quarantine)},
+        train={"epochs": 1},
+    )
+    learner = ContinualLearner(cfg)
+    assert learner.stream.edge_dim == 4 and len(learner.events) == 1500
+    assert "negative id" in quarantine.read_text()
+    learner.run_phase1()
+    learner.step()
+    assert learner.model.edge_store is learner.edge_cache
+    torch.testing.assert_close(learner.events.edge_feat, feat, rtol=1e-5, atol=1e-6)
+    last = learner.ingested - 1
+    assert learner.edge_cache.num_rows == last + 1
+    rows = learner.edge_cache.get(torch.tensor([0, last]))
+    torch.testing.assert_close(rows, learner.events.edge_feat[[0, last]])
+    assert learner.edge_cache.stats()["rows"] > 0  # the model read features through the cache
+    assert learner.model.memory.msg_feat.abs().sum() > 0
+    # the feature store travels in the learner's state: a restored learner continues the same
+    # (one after the other: both use torch's process-wide generator; the state is saved as a
+    # checkpoint is, since state_dict() holds live tensors, as torch's do)
+    buffer = io.BytesIO()
+    torch.save(learner.state_dict(), buffer)
+    a = learner.step()
+    resumed = ContinualLearner(cfg)
+    buffer.seek(0)
+    resumed.load_state_dict(torch.load(buffer, weights_only=False))
+    assert resumed.edge_cache.num_rows == learner.edge_cache.num_rows - a["events"]
+    b = resumed.step()
+    assert a["ap"] == b["ap"] and a["loss"] == b["loss"]
 
 
 def test_offline_split_learns(wiki):

@@ -32,6 +32,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="YAML file mapped onto RunConfig")
     p.add_argument("--model", help="tgn, tgat, dysat, sage or jodie")
     p.add_argument("--dataset", help="wikipedia, collegemsg or a file path")
+    p.add_argument("--format", help="of a file: auto (default), jodie, tgl, snap, csv, parquet")
+    p.add_argument("--quarantine", help="write a file's rejected rows here instead of failing")
     p.add_argument("--max-events", type=int, help="use only the first N events")
     p.add_argument("--increments", type=int, help="number of equal-count increments")
     p.add_argument("--replay", help="uniform or importance")
@@ -54,6 +56,8 @@ def parse_config(argv: list[str] | None = None) -> RunConfig:
     for flag, (section, key) in {
         "model": ("model", "name"),
         "dataset": ("data", "dataset"),
+        "format": ("data", "format"),
+        "quarantine": ("data", "quarantine"),
         "max_events": ("data", "max_events"),
         "increments": ("continual", "num_increments"),
         "replay": ("continual", "replay"),

@@ -18,6 +18,7 @@ can outgrow GPU memory while sampling still runs on the GPU, reading host memory
 from __future__ import annotations
 
 import logging
+import math
 
 import numpy as np
 import torch
@@ -63,7 +64,8 @@ class DynamicGraph:
     def add_edges(self, src, dst, t, eid=None) -> None:
         """Insert a batch of edges (torch or numpy 1-D arrays, any time order).
 
-        Default eids continue from the number of events inserted so far. Invalid input (ids
+        Default eids continue after the largest eid so far (the number of events inserted so
+        far while every eid was a default one), so they never collide. Invalid input (ids
         negative or non-integer, NaN or non-finite times, mismatched lengths) raises ValueError
         and leaves the graph unchanged.
         """
@@ -150,6 +152,8 @@ class DynamicGraph:
 
     def offload_before(self, t: float) -> int:
         """Drop stored edges older than `t` and free their memory; returns how many went."""
+        if math.isnan(t):
+            raise ValueError("offload_before: t is NaN")
         before = self.num_stored_edges
         kept = []
         for seg in self.segments:
@@ -203,7 +207,7 @@ class DynamicGraph:
 
 def _as_tensor(x, name: str, device: torch.device) -> torch.Tensor:
     if isinstance(x, np.ndarray):
-        x = torch.from_numpy(x)
+        x = torch.from_numpy(np.ascontiguousarray(x))  # torch takes no negative strides
     elif not isinstance(x, torch.Tensor):
         x = torch.as_tensor(x)
     if x.dim() != 1:
@@ -231,4 +235,10 @@ def _check_batch(src: torch.Tensor, dst: torch.Tensor, t: torch.Tensor, eid: tor
         )
     if flags[1]:
         row = int(bad_t.nonzero()[0])
-        raise ValueError(f"add_edges: row {row} has time {float(t[row])}, not a finite number")
+        value = float(t[row])
+        if math.isfinite(value):
+            raise ValueError(
+                f"add_edges: row {row} has time {value:.17g}, beyond +-2^53 where float64 "
+                "times stop being exact (nanosecond Unix times are): rescale the times"
+            )
+        raise ValueError(f"add_edges: row {row} has time {value}, not a finite number")

@@ -12,6 +12,9 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from tidegraph.models.config import ModelConfig
+from tidegraph.storage.cache import POLICIES
+from tidegraph.storage.features import PRECISIONS
+from tidegraph.storage.loaders_config import FORMATS
 
 __all__ = [
     "ContinualConfig",
@@ -24,12 +27,35 @@ __all__ = [
 
 @dataclass(kw_only=True)
 class DataConfig:
-    dataset: str = "wikipedia"
+    dataset: str = "wikipedia"  # a bundled name or a file path
     max_events: int | None = None
+    format: str = "auto"  # of a file: auto, jodie, tgl, snap, csv or parquet
+    quarantine: str | None = None  # a file: rejected rows go there instead of failing the run
+    # edge features (files that have them): host store in this precision, device cache of
+    # this fraction of the rows (pass-through on the CPU)
+    feature_precision: str = "fp32"
+    feature_cache_ratio: float = 0.2
+    feature_cache_policy: str = "lru"
 
     def __post_init__(self) -> None:
         if self.max_events is not None and self.max_events < 10:
             raise ValueError(f"data.max_events must be >= 10 or None, got {self.max_events}")
+        if self.format not in FORMATS:
+            raise ValueError(f"data.format must be one of {FORMATS}, got {self.format!r}")
+        if self.feature_precision not in PRECISIONS:
+            raise ValueError(
+                f"data.feature_precision must be one of {PRECISIONS}, "
+                f"got {self.feature_precision!r}"
+            )
+        if not 0 <= self.feature_cache_ratio <= 1:
+            raise ValueError(
+                f"data.feature_cache_ratio must be in [0, 1], got {self.feature_cache_ratio}"
+            )
+        if self.feature_cache_policy not in POLICIES:
+            raise ValueError(
+                f"data.feature_cache_policy must be one of {POLICIES}, "
+                f"got {self.feature_cache_policy!r}"
+            )
 
 
 @dataclass(kw_only=True)

@@ -42,7 +42,9 @@ import torch
 
 from tidegraph.models.config import build_model
 from tidegraph.sampling.sampler import TemporalSampler
+from tidegraph.storage.cache import CachedFeatureStore
 from tidegraph.storage.events import EventBatch
+from tidegraph.storage.features import HostFeatureStore
 from tidegraph.storage.graph import DynamicGraph
 from tidegraph.training.config import RunConfig
 from tidegraph.training.data import Stream, load_stream
@@ -62,7 +64,10 @@ class ContinualLearner:
     def __init__(self, config: RunConfig, stream: Stream | None = None) -> None:
         self.config = config
         self.device = torch.device(config.device)
-        self.stream = stream or load_stream(config.data.dataset, config.data.max_events)
+        d = config.data
+        self.stream = stream or load_stream(
+            d.dataset, d.max_events, format=d.format, quarantine=d.quarantine
+        )
         self.events = self.stream.events
         if config.deterministic:
             torch.use_deterministic_algorithms(True, warn_only=True)
@@ -87,6 +92,8 @@ class ContinualLearner:
         self.model = build_model(
             config.model, self.stream.num_nodes, self.stream.edge_dim, num_snapshots=snaps
         ).to(self.device)
+        self.edge_cache = self._edge_features()
+        self.model.edge_store = self.edge_cache
         self.optimizer = self._new_optimizer()
         self.negatives = NegativeSampler(config.seed + 2)
         self.replay = build_replay(
@@ -162,6 +169,8 @@ class ContinualLearner:
             self.optimizer = self._new_optimizer()
             self.engine.optimizer = self.optimizer
         t1 = time.perf_counter()
+        if self.edge_cache is not None:  # GNNFlow's restoration: seed with the round's edges
+            self.edge_cache.restore(self.events.eid[start:end])
         loss, n_replay = float("nan"), 0
         for epoch in range(c.retrain_epochs):
             self.model.load_node_state(before)
@@ -203,6 +212,7 @@ class ContinualLearner:
     # ---- state ----------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
+        cache = self.edge_cache
         return {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
@@ -212,6 +222,8 @@ class ContinualLearner:
             "forget_gen": self.forget_gen.get_state(),
             "torch_rng": torch.get_rng_state(),
             "graph": self.graph.state_dict(),
+            "edge_features": None if cache is None else cache.store.state_dict(),
+            "edge_cache": None if cache is None else cache.state_dict(),
             "ingested": self.ingested,
             "offset": self.offset,
             "phase1_done": self.phase1_done,
@@ -220,6 +232,9 @@ class ContinualLearner:
 
     def load_state_dict(self, state: dict) -> None:
         self.graph.load_state_dict(state["graph"])
+        if self.edge_cache is not None:
+            self.edge_cache.store.load_state_dict(state["edge_features"])
+            self.edge_cache.load_state_dict(state["edge_cache"])
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.sampler.load_state_dict(state["sampler"])
@@ -234,6 +249,22 @@ class ContinualLearner:
 
     # ---- passes ---------------------------------------------------------------------------
 
+    def _edge_features(self) -> CachedFeatureStore | None:
+        """Edge features (when the stream has them): a host store that grows with the graph,
+        behind a device cache the model reads through (pass-through on the CPU)."""
+        if self.stream.edge_dim == 0:
+            return None
+        d = self.config.data
+        store = HostFeatureStore(
+            dim=self.stream.edge_dim,
+            precision=d.feature_precision,
+            pin_memory=self.device.type == "cuda",
+            seed=self.config.seed + 5,
+        )
+        return CachedFeatureStore(
+            store, ratio=d.feature_cache_ratio, policy=d.feature_cache_policy, device=self.device
+        )
+
     def _new_optimizer(self) -> torch.optim.Optimizer:
         # fused Adam: one kernel for all parameters (CPU and CUDA)
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -245,6 +276,8 @@ class ContinualLearner:
         ev = self.events.select(slice(max(start, self.ingested), end))
         g = self.graph.device
         self.graph.add_edges(ev.src.to(g), ev.dst.to(g), ev.t.to(g), ev.eid.to(g))
+        if self.edge_cache is not None:  # rows = eids = stream positions
+            self.edge_cache.append(ev.edge_feat)
         self.negatives.add(ev.dst)
         params = [id(p) for p in self.model.parameters()]
         self.model.grow(self.graph.num_nodes)

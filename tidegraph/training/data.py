@@ -1,9 +1,11 @@
 """Loading a dataset as one time-ordered `EventBatch`: the single place that reads files.
 
 `load_stream` accepts a bundled name (`wikipedia`, `collegemsg`) or a path. The bundled files are
-read here directly with pyarrow (their ids are already dense: wikipedia's items follow its
-users). Swap this function body for `tidegraph.storage.loaders.load_events` to take every format
-the loaders support; nothing else in training reads files.
+read here directly with pyarrow (known-good files whose ids are already dense: wikipedia's items
+follow its users). Any other path goes through `tidegraph.storage.loaders.load_events`: every
+format the loaders read (detected from the file), with their validation and error messages,
+quarantine of bad rows when asked, and an in-memory sort (the whole stream is loaded anyway);
+edge features come along. Nothing else in training reads files.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import pyarrow.csv as pacsv
 import torch
 
 from tidegraph.storage.events import EventBatch
+from tidegraph.storage.loaders import load_events
 
 __all__ = ["BUNDLED", "Stream", "load_stream"]
 
@@ -36,9 +39,18 @@ class Stream:
     name: str
 
 
-def load_stream(dataset: str, max_events: int | None = None) -> Stream:
+def load_stream(
+    dataset: str,
+    max_events: int | None = None,
+    *,
+    format: str = "auto",
+    quarantine: str | None = None,
+) -> Stream:
+    """The stream of a bundled name or a file; `format` and `quarantine` apply to files."""
+    if dataset.lower() not in BUNDLED:
+        return _load_file(_resolve(dataset), max_events, format, quarantine)
     path = _resolve(dataset)
-    if path.name.startswith("CollegeMsg") or path.suffixes[:1] == [".txt"]:
+    if path.name.startswith("CollegeMsg"):
         table = pacsv.read_csv(
             path,
             read_options=pacsv.ReadOptions(column_names=["u", "i", "ts"]),
@@ -64,6 +76,18 @@ def load_stream(dataset: str, max_events: int | None = None) -> Stream:
     )
     num_nodes = int(max(src.max(), dst.max())) + 1 if len(src) else 0
     return Stream(events=events, num_nodes=num_nodes, edge_dim=0, name=path.name)
+
+
+def _load_file(path: Path, max_events: int | None, format: str, quarantine: str | None):
+    events = load_events(path, format, sort="full", quarantine=quarantine)
+    if max_events is not None:
+        events = events.select(slice(0, max_events))
+    n = len(events)
+    events.eid = torch.arange(n)  # rows of the stream (and of its edge-feature store)
+    num_nodes = int(torch.maximum(events.src.max(), events.dst.max())) + 1 if n else 0
+    feat = events.edge_feat
+    edge_dim = 0 if feat is None else int(feat.shape[1])
+    return Stream(events=events, num_nodes=num_nodes, edge_dim=edge_dim, name=path.name)
 
 
 def _resolve(dataset: str) -> Path:
