@@ -575,3 +575,157 @@ def test_typed_and_text_features_agree_bit_for_bit(
         (fast, q_fast), (text, q_text) = load_both(monkeypatch, path, chunk_rows=chunk_rows)
     assert_bits_equal(fast, text)
     assert q_fast == q_text
+
+
+# ----------------------------------------------------------------------------- edge cases of input
+
+
+def quarantined(path: Path) -> list[dict]:
+    return list(csv.DictReader(path.open()))
+
+
+def test_ids_beyond_int64_are_rejected_and_others_stay_exact(tmp_path: Path) -> None:
+    big = 2**53 + 1  # a float would read it as 2**53
+    path = write(
+        tmp_path / "e.csv",
+        f"src,dst,time\n{big},1,1\n99999999999999999999,2,2\n{2**63 - 1},+0{2**63 - 1},3\n",
+    )
+    with pytest.raises(LoaderError) as info:
+        load_events(path)
+    assert str(info.value) == (
+        f"{path}: line 3: id out of range: '99999999999999999999' in column 'src' "
+        "does not fit in int64"
+    )
+    batch = load_events(path, quarantine=tmp_path / "q.csv")
+    assert batch.src.tolist() == [big, 2**63 - 1] and batch.dst.tolist() == [1, 2**63 - 1]
+    assert [r["line"] for r in quarantined(tmp_path / "q.csv")] == ["3"]
+    floats = write(tmp_path / "f.csv", f"src,dst,time\n1,1e19,1\n1,{2**63},2\n-1e30,1,3\n")
+    load_events(floats, quarantine=tmp_path / "qf.csv")
+    reasons = [r["reason"] for r in quarantined(tmp_path / "qf.csv")]
+    assert len(reasons) == 3 and all(r.startswith("id out of range") for r in reasons)
+
+
+def test_parquet_ids_beyond_int64_are_rejected(tmp_path: Path) -> None:
+    ids = pa.array([2**63, 5, 2**64 - 1, None], pa.uint64())
+    table = pa.table({"src": ids, "dst": [1, 2, 3, 4], "time": [1.0, 2.0, 3.0, 4.0]})
+    pq.write_table(table, tmp_path / "u.parquet")
+    with pytest.raises(
+        LoaderError, match=r"u\.parquet: row 1: id out of range: 9223372036854775808 in column"
+    ):
+        load_events(tmp_path / "u.parquet")
+    assert load_events(tmp_path / "u.parquet", quarantine=tmp_path / "q.csv").src.tolist() == [5]
+    reasons = [r["reason"].split(":")[0] for r in quarantined(tmp_path / "q.csv")]
+    assert reasons == ["id out of range", "id out of range", "missing id"]
+    floats = pa.table({"src": [1e19, 2.0**62], "dst": [1.0, 2.0], "time": [1.0, 2.0]})
+    pq.write_table(floats, tmp_path / "f.parquet")
+    with pytest.raises(LoaderError, match=r"f\.parquet: row 1: id out of range: 1e\+19"):
+        load_events(tmp_path / "f.parquet")
+    got = load_events(tmp_path / "f.parquet", quarantine=tmp_path / "q.csv")
+    assert got.src.tolist() == [2**62]
+
+
+def test_jodie_item_shift_past_int64_is_out_of_range(tmp_path: Path) -> None:
+    text = f"user_id,item_id,timestamp,state_label\n0,{2**63 - 2},1,0\n1,2,2,0\n"
+    path = write(tmp_path / "j.csv", text)
+    with pytest.raises(
+        LoaderError, match=r"j\.csv: line 2: id out of range: dst id 9223372036854775806 \+ num"
+    ):
+        load_events(path)
+    assert load_events(path, quarantine=tmp_path / "q.csv").dst.tolist() == [4]
+    huge_user = write(tmp_path / "h.csv", text.replace("1,2,2,0", "99999999999999999999,2,2,0"))
+    with pytest.raises(LoaderError, match=r"h\.csv: line 3: id out of range: '9999"):
+        load_events(huge_user)  # the first pass (max user id) skips it instead of failing
+    kept = load_events(huge_user, quarantine=tmp_path / "q2.csv")
+    assert kept.dst.tolist() == [2**63 - 1]  # num_users = 1
+
+
+def test_header_expected_but_first_line_is_data(tmp_path: Path) -> None:
+    path = write(tmp_path / "j.csv", "0,0,1,0,0.1\n2,1,2,1,0.3\n")
+    positional = ColumnMap(src=0, dst=1, time=2)
+    for options in ({"format": "jodie"}, {"format": "csv", "columns": positional}):
+        with pytest.raises(LoaderError) as info:
+            load_events(path, **options)
+        assert info.value.line == 1 and str(info.value).startswith(f"{path}: line 1: no header")
+        assert "header=False" in info.value.reason
+    jodie = load_events(path, format="jodie", header=False)
+    assert jodie.src.tolist() == [0, 2] and jodie.dst.tolist() == [3, 4]
+    assert jodie.edge_feat.shape == (2, 1)
+    assert load_events(path, format="csv", header=False).src.tolist() == [0, 2]
+    numeric_names = write(tmp_path / "n.csv", "0,1,2\n5,6,7\n")  # header=True: line 1 is one
+    assert load_events(numeric_names, "csv", header=True, columns=positional).src.tolist() == [5]
+
+
+def test_parquet_scalar_feature_columns_check_feature_dim(tmp_path: Path) -> None:
+    table = pa.table({"src": [1, 2], "dst": [1, 2], "time": [1.0, 2.0], "a": [1.0, 2.0]})
+    pq.write_table(table.append_column("b", pa.array([3.0, 4.0])), tmp_path / "w.parquet")
+    columns = ColumnMap(features=("a", "b"))
+    with pytest.raises(
+        LoaderError, match=r"w\.parquet: feature width mismatch: 2 feature columns, expected 3"
+    ):
+        load_events(tmp_path / "w.parquet", columns=columns, feature_dim=3)
+    got = load_events(tmp_path / "w.parquet", columns=columns, feature_dim=2)
+    assert got.edge_feat.tolist() == [[1, 3], [2, 4]]
+
+
+def test_parquet_empty_and_null_feature_lists(tmp_path: Path) -> None:
+    base = {"src": [1, 2], "dst": [1, 2], "time": [1.0, 2.0]}
+    columns = ColumnMap(features="f")
+    pq.write_table(pa.table({**base, "f": [[], []]}), tmp_path / "z.parquet")
+    for dim in (None, 0):
+        assert load_events(
+            tmp_path / "z.parquet", columns=columns, feature_dim=dim
+        ).edge_feat.shape == (2, 0)
+    pq.write_table(pa.table({**base, "f": [[], [1.0]]}), tmp_path / "e.parquet")
+    with pytest.raises(
+        LoaderError,
+        match=r"e\.parquet: row 2: feature width mismatch: 1 values in column 'f', expected 0",
+    ):
+        load_events(tmp_path / "e.parquet", columns=columns)
+    pq.write_table(pa.table({**base, "f": [[1.0], None]}), tmp_path / "n.parquet")
+    with pytest.raises(
+        LoaderError, match=r"n\.parquet: row 2: missing features: null in column 'f'"
+    ):
+        load_events(tmp_path / "n.parquet", columns=columns)
+    kept = load_events(tmp_path / "n.parquet", columns=columns, quarantine=tmp_path / "q.csv")
+    assert kept.edge_feat.tolist() == [[1.0]]
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 2, 100])
+def test_first_bad_row_in_file_order_is_reported(tmp_path: Path, chunk_rows: int) -> None:
+    path = write(tmp_path / "e.csv", "src,dst,time\n1,2,5\n3,4,2\n5,6,6\n7,8,x\n")
+    with pytest.raises(LoaderError, match=r"e\.csv: line 3: time decreases"):
+        load_events(path, chunk_rows=chunk_rows)
+    load_events(path, chunk_rows=chunk_rows, quarantine=tmp_path / "q.csv")
+    assert [r["line"] for r in quarantined(tmp_path / "q.csv")] == ["3", "5"]
+
+
+def test_utf8_bom_is_ignored(tmp_path: Path) -> None:
+    bom = b"\xef\xbb\xbf"
+    csv_path = tmp_path / "b.csv"
+    csv_path.write_bytes(bom + b"src,dst,time\n1,2,3\n")
+    assert load_events(csv_path).src.tolist() == [1]
+    jodie = tmp_path / "j.csv"
+    jodie.write_bytes(bom + b"user_id,item_id,timestamp,state_label\n0,0,1,0\n")
+    assert load_events(jodie).dst.tolist() == [1]
+    snap = tmp_path / "s.txt"
+    snap.write_bytes(bom + b"1 2 3\n")
+    assert load_events(snap).src.tolist() == [1]
+
+
+def test_snap_runs_of_whitespace_and_empty_files(tmp_path: Path) -> None:
+    path = write(tmp_path / "s.txt", "# c\n  1  2  10 \n2\t\t3 11\n4 5\n6 7  12\n")
+    with pytest.raises(LoaderError, match=r"s\.txt: line 4: wrong field count: row has 2 fields"):
+        load_events(path)
+    batch = load_events(path, quarantine=tmp_path / "q.csv")
+    assert batch.src.tolist() == [1, 2, 6] and batch.dst.tolist() == [2, 3, 7]
+    assert batch.t.tolist() == [10, 11, 12]
+    assert quarantined(tmp_path / "q.csv")[0]["text"] == "4 5"
+    for text in ("", "# comments only\n"):
+        empty = write(tmp_path / "e.txt", text)
+        for fmt in ("snap", "auto"):
+            assert len(load_events(empty, fmt)) == 0
+
+
+def test_tgl_feature_dim_applies_to_the_feature_tensor(tmp_path: Path) -> None:
+    feats = make_tgl(tmp_path / "tgl", [1, 2, 3])
+    assert torch.equal(load_events(tmp_path / "tgl", feature_dim=2).edge_feat, feats.float())

@@ -14,8 +14,9 @@ Assumptions and rules:
 - Files are streamed a chunk at a time (`chunk_rows` rows); no file is read whole, except with
   `sort="full"`, which holds all events in memory to sort them.
 - Batches come out in time order, ties in file order. `eid` numbers the yielded events 0..N-1.
-- Bad rows (non-numeric or NaN time, negative, non-integer or out-of-range ids, wrong field count
-  or feature width, time out of order) raise `LoaderError` naming file, line and reason; with
+- Bad rows (non-numeric or NaN time, negative, non-integer or out-of-range ids -- beyond
+  `num_nodes` or int64 --, wrong field count or feature width, missing values, time out of order)
+  raise `LoaderError` naming file, line and reason (the first bad row in file order); with
   `quarantine=PATH` they are written to that CSV (columns `line,reason,text`) instead, counted in
   `stats`, and a warning is logged. Valid rows are never dropped.
 - Line numbers: see `loaders_text` (1-based, header included, blank lines not counted).
@@ -103,7 +104,7 @@ class EventReader:
         if fmt == "parquet":
             return ParquetSource(self.path, cfg), rules
         header = cfg.header if cfg.header is not None else fmt == "csv"
-        return text_source(self.path, cfg, cfg.columns, header=header), rules
+        return text_source(self.path, cfg, cfg.columns, header=header, snap=fmt == "snap"), rules
 
     @property
     def unit(self) -> str:
@@ -122,9 +123,9 @@ class EventReader:
             for chunk in self._source.chunks():
                 self.stats.rows_read += len(chunk.lines) + _count(chunk.rejects)
                 rows, rejects = parse_chunk(chunk, self._rules, self.config.feature_dim)
-                self._reject(rejects, quarantine)
                 ready, late, bound = order.push(rows)
-                self._reject(self._late(rows, late, bound), quarantine)
+                # together: the first bad row in file order is the one raised
+                self._reject(Rejects.cat([rejects, self._late(rows, late, bound)]), quarantine)
                 yield from out.push(ready)
             yield from out.push(order.finish(), last=True)
         self._report()

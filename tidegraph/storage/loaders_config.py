@@ -78,6 +78,9 @@ class LoaderConfig:
     num_users: JODIE only; item ids are shifted by it. None = a first pass over the user column.
     num_nodes: when set, ids must be < num_nodes.
     feature_dim: when set, the file's feature width must equal it.
+    header: whether line 1 names the columns; None = the format's default (CSV, TGL and JODIE
+          have one, refused when line 1 is all numbers; SNAP has none). False reads a CSV or
+          JODIE file without one (columns by 0-based position); True forces one.
     """
 
     format: str = "auto"

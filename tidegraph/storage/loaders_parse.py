@@ -23,6 +23,8 @@ import pyarrow.compute as pc
 
 _FLOAT_RE = r"^[+-]?((\d+\.?\d*|\.\d+)([eE][+-]?\d+)?|(?i:nan|inf|infinity))$"
 _INT_RE = r"^[+-]?\d+$"
+_INT64_MAX = int(np.iinfo(np.int64).max)
+_TWO_63 = 2.0**63
 
 
 @dataclass
@@ -163,13 +165,31 @@ def _values(array: pa.Array, index: np.ndarray) -> list:
 
 
 def _parse_id(array: pa.Array, name: str, checks: _Checks) -> np.ndarray:
-    """Parse ids to int64; non-numeric, non-integer and negative ids fail their row."""
-    if pa.types.is_integer(array.type) and array.null_count == 0:
-        values = array.to_numpy().astype(np.int64, copy=False)
+    """Parse ids to int64; non-numeric, non-integer, out-of-int64 and negative ids fail."""
+    if pa.types.is_integer(array.type):
+        values = _integer_ids(array, name, checks)
     else:
         values = _parse_id_slow(array, name, checks)
     checks.fail(values < 0, lambda i: [f"negative id: {v} in column '{name}'" for v in values[i]])
     return values
+
+
+def _integer_ids(array: pa.Array, name: str, checks: _Checks) -> np.ndarray:
+    """Integer columns (Parquet) exactly: nulls are missing, uint64 above int64 out of range."""
+    if array.null_count:
+        missing = array.is_null().to_numpy(zero_copy_only=False)
+        checks.fail(missing, lambda i: [f"missing id: null in column '{name}'"] * len(i))
+        array = pc.fill_null(array, 0)
+    values = array.to_numpy()
+    if values.dtype == np.uint64:
+        big = values > np.uint64(_INT64_MAX)
+        checks.fail(big, lambda i: [_out_of_range(v, name) for v in values[i].tolist()])
+        values = np.where(big, np.uint64(0), values)
+    return values.astype(np.int64, copy=False)
+
+
+def _out_of_range(value: object, name: str) -> str:
+    return f"id out of range: {value!r} in column '{name}' does not fit in int64"
 
 
 def _parse_id_slow(array: pa.Array, name: str, checks: _Checks) -> np.ndarray:
@@ -180,28 +200,41 @@ def _parse_id_slow(array: pa.Array, name: str, checks: _Checks) -> np.ndarray:
             pass
     as_float = _parse_float(array, name, checks, what="id")
     integral = np.isfinite(as_float) & (np.floor(as_float) == as_float)
-    bad = ~integral & ~checks.bad
-    checks.fail(
-        bad, lambda i: [f"non-integer id: {v!r} in column '{name}'" for v in _values(array, i)]
-    )
-    values = np.where(integral, as_float, 0).astype(np.int64)
+    non_integer = "non-integer id: {!r} in column '" + name + "'"
+    checks.fail(~integral, lambda i: [non_integer.format(v) for v in _values(array, i)])
+    fits = np.abs(as_float) < _TWO_63  # what a float can say; integer text is decided exactly
+    values = np.where(integral & fits, as_float, 0).astype(np.int64)
     exact = _exact_ints(array)
     if exact is not None:
-        values = np.where(exact[1], exact[0], values)
+        exact_values, is_int, int_fits = exact
+        fits = np.where(is_int, int_fits, fits)
+        values = np.where(is_int & int_fits, exact_values, values)
+    checks.fail(integral & ~fits, lambda i: [_out_of_range(v, name) for v in _values(array, i)])
     return values
 
 
-def _exact_ints(array: pa.Array) -> tuple[np.ndarray, np.ndarray] | None:
-    """Exact int64 values of text that looks like an integer (floats lose ids above 2**53)."""
+def _exact_ints(array: pa.Array) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """For text that looks like an integer (floats lose ids above 2**53): its exact int64 value,
+    whether it looks like one, and whether it fits in int64 (others read 0)."""
     if not _is_text(array):
         return None
     text = pc.utf8_trim_whitespace(array)
     looks = pc.fill_null(pc.match_substring_regex(text, _INT_RE), False)
-    cleaned = pc.if_else(looks, pc.utf8_ltrim(text, characters="+"), pa.scalar("0"))
-    try:
-        return pc.cast(cleaned, pa.int64()).to_numpy(), looks.to_numpy(zero_copy_only=False)
-    except pa.ArrowInvalid:  # out of int64 range: keep the float value, which fails later
-        return None
+    fits = pc.and_(looks, int64_text_fits(text))
+    cleaned = pc.if_else(fits, pc.utf8_ltrim(text, characters="+"), pa.scalar("0"))
+    values = pc.cast(cleaned, pa.int64()).to_numpy()
+    return values, looks.to_numpy(zero_copy_only=False), fits.to_numpy(zero_copy_only=False)
+
+
+def int64_text_fits(text: pa.Array) -> pa.Array:
+    """Whether integer text (optional sign, digits, no spaces) is within int64, compared as digit
+    strings: a float cannot tell 2**63 - 1 from 2**63."""
+    negative = pc.starts_with(text, "-")
+    digits = pc.utf8_ltrim(pc.utf8_ltrim(text, characters="+-"), characters="0")
+    n = pc.utf8_length(digits)
+    limit = pc.if_else(negative, pa.scalar(str(_INT64_MAX + 1)), pa.scalar(str(_INT64_MAX)))
+    edge = pc.and_(pc.equal(n, len(str(_INT64_MAX))), pc.less_equal(digits, limit))
+    return pc.fill_null(pc.or_(pc.less(n, len(str(_INT64_MAX))), edge), False)
 
 
 def _is_text(array: pa.Array) -> bool:
@@ -287,15 +320,20 @@ def is_list(type_: pa.DataType) -> bool:
 
 
 def _parse_list_features(array: pa.Array, name: str, checks: _Checks, width: int) -> np.ndarray:
-    """Features stored as one list column (Parquet); every list must have `width` values."""
-    lengths = pc.fill_null(pc.list_value_length(array), -1).to_numpy(zero_copy_only=False)
+    """Features stored as one list column (Parquet); every list must have `width` values (a
+    width of 0 is valid: empty lists)."""
+    if array.null_count:
+        missing = array.is_null().to_numpy(zero_copy_only=False)
+        checks.fail(missing, lambda i: [f"missing features: null in column '{name}'"] * len(i))
+    lengths = pc.fill_null(pc.list_value_length(array), 0).to_numpy(zero_copy_only=False)
     bad = lengths != width
     msg = "feature width mismatch: {} values in column '" + name + f"', expected {width}"
     checks.fail(bad, lambda i: [msg.format(v) for v in lengths[i]])
-    good = np.flatnonzero(~bad)
+    good = np.flatnonzero(~checks.bad & ~bad)
     out = np.zeros((len(array), width), dtype=np.float32)
-    flat = pc.list_flatten(array.take(pa.array(good)))
-    out[good] = pc.cast(flat, pa.float32()).to_numpy(zero_copy_only=False).reshape(-1, width)
+    if width and good.size:  # reshape(-1, 0) cannot infer a row count
+        flat = pc.list_flatten(array.take(pa.array(good)))
+        out[good] = pc.cast(flat, pa.float32()).to_numpy(zero_copy_only=False).reshape(-1, width)
     return out
 
 
@@ -306,7 +344,15 @@ def _apply_rules(src: np.ndarray, dst: np.ndarray, rules: IdRules, checks: _Chec
             src >= bound,
             lambda i: [f"id out of range: src id {v} >= {bname} {bound}" for v in src[i]],
         )
-    dst = dst + rules.dst_offset if rules.dst_offset else dst
+    if rules.dst_offset:
+        off, oname = rules.dst_offset, rules.src_bound_name
+        checks.fail(  # dst + offset would wrap past int64
+            dst > _INT64_MAX - off,
+            lambda i: [
+                f"id out of range: dst id {v} + {oname} {off} exceeds int64" for v in dst[i]
+            ],
+        )
+        dst = dst + off
     if rules.node_bound is not None:
         nb = rules.node_bound
         checks.fail(

@@ -9,6 +9,7 @@ gathered per chunk, and `node_features.pt`.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
@@ -23,11 +24,12 @@ from tidegraph.storage.loaders_config import ColumnMap, LoaderConfig, LoaderErro
 from tidegraph.storage.loaders_parse import RawChunk, is_list
 from tidegraph.storage.loaders_text import (
     Peek,
+    check_width,
     detect_delimiter,
     infer_columns,
     is_number,
     resolve_columns,
-    split_fields,
+    split_snap,
     text_source,
 )
 
@@ -49,10 +51,14 @@ def detect_format(path: Path) -> str:
         return "tgl"
     if path.suffix.lower() in _PARQUET_SUFFIXES:
         return "parquet"
-    first = Peek(path).first()
+    peek = Peek(path)
+    if peek.complete and not peek.lines:
+        return "snap"  # no lines, so no header either: an empty edge list
+    first = peek.first()
     if first.lower().startswith("user_id"):
         return "jodie"
-    head = split_fields(first, detect_delimiter(first))[0] if first else ""
+    fields = split_snap(first, detect_delimiter(first))
+    head = fields[0] if fields else ""
     return "snap" if is_number(head) else "csv"
 
 
@@ -71,12 +77,18 @@ class ParquetSource:
         )
         self.chunk_rows = cfg.chunk_rows
         self.feature_width = cfg.feature_dim if cfg.feature_dim is not None else self._width()
+        if not self._list_features():  # scalar columns: the count is the width, as in CSV
+            check_width(len(self.features), cfg.feature_dim, path, None)
+
+    def _list_features(self) -> bool:
+        schema = self.file.schema_arrow
+        return len(self.features) == 1 and is_list(schema.field(self.features[0]).type)
 
     def _width(self) -> int:
         """Width of a list-typed feature column: from its type, else from the first row."""
-        type_ = self.file.schema_arrow.field(self.features[0]).type if self.features else None
-        if len(self.features) != 1 or not is_list(type_):
+        if not self._list_features():
             return len(self.features)
+        type_ = self.file.schema_arrow.field(self.features[0]).type
         if pa.types.is_fixed_size_list(type_):
             return type_.list_size
         for batch in self.file.iter_batches(batch_size=1, columns=self.features):
@@ -113,7 +125,10 @@ class TglSource:
         if self.feat is not None:
             _check_feature_tensor(self.feat, directory / "edge_features.pt", cfg.feature_dim)
         columns = cfg.columns or ColumnMap(src="src", dst="dst", time="time")
-        self.csv = text_source(edges, cfg, columns, header=True)
+        # feature_dim applies to edge_features.pt (checked above), not to columns of edges.csv
+        csv_cfg = dataclasses.replace(cfg, feature_dim=None) if self.feat is not None else cfg
+        hint = "TGL edges.csv starts with a header line naming src, dst and time"
+        self.csv = text_source(edges, csv_cfg, columns, header=True, header_hint=hint)
 
     def chunks(self) -> Iterator[RawChunk]:
         for chunk in self.csv.chunks():

@@ -18,8 +18,16 @@ Assumptions:
   those of the non-blank lines). A quoted field with a newline inside also shifts numbers.
 - Comment lines (`#` or `%`, as in SNAP and KONECT files) are only recognised at the top.
 - Fields are separated by exactly one delimiter character (tab, comma or space, detected from
-  the first data line unless given); runs of spaces are not merged.
-- JODIE: the header is one line whose names need not match the field count (JODIE writes
+  the first data line unless given); runs of spaces are not merged, except in SNAP edge lists
+  with a space or tab delimiter whose first 64 KiB show runs of spaces and tabs (or leading or
+  trailing ones): there pyarrow reads whole lines, which are split on runs of whitespace
+  (slower); elsewhere such a line is a wrong-field-count reject. A file without lines has no
+  events.
+- A UTF-8 byte order mark is dropped (pyarrow drops it too).
+- Where a header is expected by default (CSV, TGL, JODIE) and line 1 is all numbers, loading
+  fails rather than silently reading a data row as the header; `header=False` reads such a
+  file, `header=True` takes line 1 as the header anyway.
+- JODIE: the header (if any) is one line whose names need not match the field count (JODIE writes
   `...,comma_separated_list_of_features`); the field count of the first data line sets the
   feature width. Item ids are shifted by `num_users` (given, or max user id + 1 found by a
   first pass that reads the user column only).
@@ -37,10 +45,13 @@ import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 
 from tidegraph.storage.loaders_config import ColumnMap, LoaderConfig, LoaderError
-from tidegraph.storage.loaders_parse import IdRules, RawChunk, Rejects
+from tidegraph.storage.loaders_parse import IdRules, RawChunk, Rejects, int64_text_fits
 
 _PEEK_BYTES = 1 << 16
 _COMMENTS = ("#", "%")
+_WHITESPACE = (" ", "\t")
+_HEADERLESS_HINT = "pass header=False to read a file without a header (columns by position)"
+_LINE = "line"  # the one column of a SNAP file read whole lines at a time
 _ALIASES = {
     "src": ("src", "source", "u", "user", "user_id", "from", "sender", "node1"),
     "dst": ("dst", "target", "i", "item", "item_id", "to", "receiver", "node2"),
@@ -55,8 +66,9 @@ class Peek:
     def __init__(self, path: Path) -> None:
         with pa.input_stream(str(path), compression="detect") as stream:
             raw = stream.read(_PEEK_BYTES)
-        lines = raw.decode("utf-8", errors="replace").splitlines()
-        if len(raw) == _PEEK_BYTES and len(lines) > 1:
+        lines = raw.decode("utf-8-sig", errors="replace").splitlines()  # -sig: drop a BOM
+        self.complete = len(raw) < _PEEK_BYTES
+        if not self.complete and len(lines) > 1:
             lines = lines[:-1]  # the last line may be cut
         self.comments = 0
         while self.comments < len(lines) and lines[self.comments].lstrip().startswith(_COMMENTS):
@@ -79,6 +91,17 @@ def detect_delimiter(line: str) -> str:
 
 def split_fields(line: str, delimiter: str) -> list[str]:
     return [f.strip().strip('"').strip() for f in line.split(delimiter)]
+
+
+def split_snap(line: str, delimiter: str) -> list[str]:
+    """Fields of a SNAP line: runs of spaces and tabs separate fields when `delimiter` is one."""
+    return line.split() if delimiter in _WHITESPACE else split_fields(line, delimiter)
+
+
+def looks_like_data(line: str, delimiter: str) -> bool:
+    """Whether every field of `line` is a number (a header line has names)."""
+    fields = split_snap(line, delimiter)
+    return bool(line.strip()) and all(is_number(f) for f in fields)
 
 
 def is_number(text: str) -> bool:
@@ -108,13 +131,18 @@ class CsvSource:
         block_size: int,
         width_kind: str = "wrong field count",
         lenient: bool = False,
+        whitespace: bool = False,
+        empty: bool = False,
     ) -> None:
         self.path, self.roles, self.features = path, roles, features
+        # whitespace: pyarrow reads whole lines, split here on runs of spaces and tabs (SNAP)
+        self.whitespace, self.empty = whitespace, empty
         self.column_names, self.skip_rows, self.delimiter = column_names, skip_rows, delimiter
         self.chunk_rows, self.block_size, self.width_kind = chunk_rows, block_size, width_kind
         self.lenient = lenient  # skip invalid rows without a record (the JODIE first pass)
         roles_read = set(roles.values())
-        self.typed = [c for c in dict.fromkeys(features) if c not in roles_read]
+        typed = [c for c in dict.fromkeys(features) if c not in roles_read]
+        self.typed = [] if whitespace else typed
         self._threads = True
         header = 0 if column_names is not None else 1
         self.first_data_line = skip_rows + header + 1
@@ -128,6 +156,9 @@ class CsvSource:
 
     def chunks(self) -> Iterator[RawChunk]:
         self._reset()
+        if self.empty:  # pyarrow refuses a file without rows
+            yield self._chunk(None)
+            return
         threads, typed = True, self.read_typed and bool(self.typed)
         while (outcome := (yield from self._pass(threads, typed))) != "complete":
             if outcome == "invalid":  # only the serial reader reports an invalid row's line
@@ -166,16 +197,21 @@ class CsvSource:
     def _open(self, threads: bool, typed: bool) -> pacsv.CSVStreamingReader | None:
         """A reader, or None when a typed reader fails on its first block (it reads one)."""
         wanted = list(dict.fromkeys([*self.roles.values(), *self.features]))
+        names, delimiter, quote = self.column_names, self.delimiter, '"'
+        if self.whitespace:  # one column of whole lines ("\x1f", unit separator, never used)
+            wanted, names, delimiter, quote = [_LINE], [_LINE], "\x1f", False
         types = {c: pa.string() for c in wanted}
         if typed:
             types.update({c: pa.float64() for c in self.typed})
         read = pacsv.ReadOptions(
             skip_rows=self.skip_rows,
-            column_names=self.column_names,
+            column_names=names,
             block_size=self.block_size,
             use_threads=threads,
         )
-        parse = pacsv.ParseOptions(delimiter=self.delimiter, invalid_row_handler=self._on_invalid)
+        parse = pacsv.ParseOptions(
+            delimiter=delimiter, quote_char=quote, invalid_row_handler=self._on_invalid
+        )
         convert = pacsv.ConvertOptions(
             include_columns=wanted,
             column_types=types,
@@ -215,12 +251,39 @@ class CsvSource:
         lines = ordinals + self.first_data_line
         last = int(lines[-1]) if n else None
         wanted = {**self.roles, **{c: c for c in self.features}}
+        rejects = self._release(last)
         if batch is None:
             columns = {k: pa.array([], pa.string()) for k in wanted}
+        elif self.whitespace:
+            columns, lines, short = self._split(batch.column(0), lines, wanted)
+            rejects = Rejects.cat([rejects, short])
         else:
             columns = {k: batch.column(c) for k, c in wanted.items()}
-        rejects = self._release(last)
         return RawChunk(columns, dict(self.roles), lines, list(self.features), rejects=rejects)
+
+    def _split(
+        self, text: pa.Array, lines: np.ndarray, wanted: dict[str, str]
+    ) -> tuple[dict[str, pa.Array], np.ndarray, Rejects]:
+        """Whole lines split on runs of whitespace; rows with another field count are rejects."""
+        trimmed = pc.utf8_trim_whitespace(text)
+        fields = pc.utf8_split_whitespace(trimmed)
+        empty = pc.equal(pc.utf8_length(trimmed), 0).to_numpy(zero_copy_only=False)
+        counts = np.where(empty, 0, pc.list_value_length(fields).to_numpy(zero_copy_only=False))
+        expected = len(self.column_names)
+        bad = counts != expected
+        if bad.any():
+            index = np.flatnonzero(bad)
+            reasons = [
+                f"{self.width_kind}: row has {k} fields, expected {expected}" for k in counts[index]
+            ]
+            short = Rejects(lines[index], reasons, _values(text, index))
+            keep = pa.array(np.flatnonzero(~bad))
+            fields, lines = fields.take(keep), lines[~bad]
+        else:
+            short = Rejects.empty()
+        position = {c: i for i, c in enumerate(self.column_names)}
+        columns = {k: pc.list_element(fields, position[c]) for k, c in wanted.items()}
+        return columns, lines, short
 
     @property
     def rows_seen(self) -> int:
@@ -235,6 +298,10 @@ class CsvSource:
         out, self._pending = self._pending[:cut], self._pending[cut:]
         lines = np.array([p[0] for p in out], dtype=np.int64)
         return Rejects(lines, [p[1] for p in out], [p[2] for p in out])
+
+
+def _values(array: pa.Array, index: np.ndarray) -> list[str]:
+    return array.take(pa.array(index)).to_pylist()
 
 
 def _guarded(
@@ -256,41 +323,83 @@ def _guarded(
 
 
 def text_source(
-    path: Path, cfg: LoaderConfig, columns: ColumnMap | None, header: bool
+    path: Path,
+    cfg: LoaderConfig,
+    columns: ColumnMap | None,
+    header: bool,
+    *,
+    snap: bool = False,
+    header_hint: str = _HEADERLESS_HINT,
 ) -> CsvSource:
-    """A CsvSource for a CSV file (header) or a SNAP edge list (no header)."""
+    """A CsvSource for a CSV file (header) or a SNAP edge list (no header by default)."""
     peek = Peek(path)
     delimiter = cfg.delimiter or detect_delimiter(peek.first())
+    # runs of whitespace in the peeked lines: split whole lines (1.7x slower than pyarrow's
+    # parser, so only then; a later irregular line in a regular file is a wrong-width reject)
+    whitespace = snap and delimiter in _WHITESPACE and _irregular(peek.lines, delimiter)
     header_line = peek.comments + 1
     if header:
+        if cfg.header is None:  # header=True given: line 1 is a header even if it is numeric
+            _require_header(peek, delimiter, path, header_hint)
         names = [f.strip('"') for f in peek.first().split(delimiter)]  # as pyarrow names them
+        if whitespace:
+            names = peek.first().split()
         columns = columns or infer_columns(names, path, header_line)
     else:
-        names = [f"f{i}" for i in range(len(split_fields(peek.first(), delimiter)))]
         columns = columns or ColumnMap(src=0, dst=1, time=2)
+        width = len(split_snap(peek.first(), delimiter)) if peek.lines else _min_width(columns)
+        names = [f"f{i}" for i in range(width)]
     roles, features = resolve_columns(columns, names, path, header_line if header else None, "line")
-    _check_width(len(features), cfg.feature_dim, path, header_line)
+    check_width(len(features), cfg.feature_dim, path, header_line)
     return CsvSource(
         path,
         roles=roles,
         features=features,
-        column_names=None if header else names,
-        skip_rows=peek.comments,
+        column_names=names if whitespace or not header else None,
+        skip_rows=peek.comments + int(header and whitespace),
         delimiter=delimiter,
         chunk_rows=cfg.chunk_rows,
         block_size=_block_size(peek, cfg.chunk_rows),
+        whitespace=whitespace,
+        empty=peek.complete and len(peek.lines) <= int(header),
     )
+
+
+def _irregular(lines: list[str], delimiter: str) -> bool:
+    """Whether any line separates fields by something other than one `delimiter`."""
+    return any(line.split() != line.split(delimiter) for line in lines)
+
+
+def _min_width(columns: ColumnMap) -> int:
+    """Fields a file without lines is taken to have: enough for every position named."""
+    named = [columns.src, columns.dst, columns.time, columns.label, *columns.feature_columns()]
+    return 1 + max((c for c in named if isinstance(c, int)), default=-1)
+
+
+def _require_header(peek: Peek, delimiter: str, path: Path, hint: str) -> None:
+    """A header line is expected: refuse to read a first line of numbers as one (its row would
+    be lost)."""
+    first = peek.first()
+    if first and looks_like_data(first, delimiter):
+        reason = f"no header found: the first line {first.strip()!r} looks like data; {hint}"
+        raise LoaderError(path, peek.comments + 1, reason)
 
 
 def jodie_source(path: Path, cfg: LoaderConfig) -> tuple[CsvSource, IdRules]:
     """A JODIE CSV: user, item, time, state label, then features; items shifted past users."""
     peek = Peek(path)
     delimiter = cfg.delimiter or ","
-    width = len(split_fields(peek.first(1), delimiter)) if peek.first(1) else 4
+    header = cfg.header is not False  # JODIE files have a header line; header=False reads none
+    if cfg.header is None:
+        hint = "pass header=False to read a JODIE file without a header"
+        _require_header(peek, delimiter, path, hint)
+    data_line = peek.comments + 1 + int(header)
+    first = peek.first(int(header))
+    width = len(split_fields(first, delimiter)) if first else 4
     if width < 4:
-        raise LoaderError(path, peek.comments + 2, f"JODIE rows need >= 4 fields, got {width}")
+        raise LoaderError(path, data_line, f"JODIE rows need >= 4 fields, got {width}")
     features = [f"f{i}" for i in range(width - 4)]
-    _check_width(len(features), cfg.feature_dim, path, peek.comments + 2)
+    check_width(len(features), cfg.feature_dim, path, data_line)
     names = ["user_id", "item_id", "timestamp", "state_label", *features]
     roles = {"src": "user_id", "dst": "item_id", "time": "timestamp", "label": "state_label"}
     source = CsvSource(
@@ -298,11 +407,12 @@ def jodie_source(path: Path, cfg: LoaderConfig) -> tuple[CsvSource, IdRules]:
         roles=roles,
         features=features,
         column_names=names,
-        skip_rows=peek.comments + 1,
+        skip_rows=peek.comments + int(header),
         delimiter=delimiter,
         chunk_rows=cfg.chunk_rows,
         block_size=_block_size(peek, cfg.chunk_rows),
         width_kind=f"feature width mismatch ({len(features)} features expected)",
+        empty=peek.complete and len(peek.lines) <= int(header),
     )
     num_users = cfg.num_users if cfg.num_users is not None else _max_user(source) + 1
     return source, IdRules(dst_offset=num_users, src_bound=num_users, node_bound=cfg.num_nodes)
@@ -320,11 +430,13 @@ def _max_user(source: CsvSource) -> int:
         chunk_rows=1 << 30,
         block_size=source.block_size,
         lenient=True,
+        empty=source.empty,
     )
     best = -1
     for chunk in probe.chunks():
         text = pc.utf8_trim_whitespace(chunk.columns["src"])
         ok = pc.fill_null(pc.match_substring_regex(text, r"^\+?\d+$"), False)
+        ok = pc.and_(ok, int64_text_fits(text))  # larger ids are rejected when parsed
         ids = pc.cast(pc.filter(pc.utf8_ltrim(text, characters="+"), ok), pa.int64())
         best = max(best, pc.max(ids).as_py() if len(ids) else -1)
     return best
@@ -336,7 +448,7 @@ def _block_size(peek: Peek, chunk_rows: int) -> int:
     return int(max(min(chunk_rows * peek.mean_len, 1 << 22), 16 * peek.max_len, 1 << 14))
 
 
-def _check_width(width: int, feature_dim: int | None, path: Path, line: int) -> None:
+def check_width(width: int, feature_dim: int | None, path: Path, line: int | None) -> None:
     if feature_dim is not None and width != feature_dim:
         reason = f"feature width mismatch: {width} feature columns, expected {feature_dim}"
         raise LoaderError(path, line, reason)
