@@ -77,7 +77,7 @@ class TGNMemory(nn.Module):
     def updated(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(memory [n, D], last update [n]) of `ids` with pending messages folded in.
 
-        Only rows with a pending message go through the GRU (one host sync on CUDA for the
+        Only rows with a pending message go through the updater (one host sync on CUDA for the
         row count); the others keep their memory unchanged.
         """
         mem = gather_rows(self.memory, ids)
