@@ -4,7 +4,8 @@ For each model: the continual run (phase 1 on the first 30%, then increments: ev
 retrain with replay) with uniform and with importance-weighted replay, and the offline 70/15/15
 run. Printed: AP/AUC/MRR (continual: mean over increments' evaluate-first metrics; offline: the
 test split), forgetting (AP when first seen minus AP at the end, mean over increments), old-event
-AP after retraining, and events/s. JSON goes to benchmarks/out/train_<device>.json.
+AP after retraining, and events/s. JSON goes to
+benchmarks/out/train_<dataset>_<models>_<device>.json.
 
     python benchmarks/bench_train.py --models tgn tgat --threads 1
 """
@@ -101,7 +102,7 @@ def main() -> None:
     print(f"\n{stream.name}: {len(stream.events)} events")
     print_table(rows)
     path = write_json(
-        f"train_{'_'.join(args.models)}_{torch.device(args.device).type}.json",
+        f"train_{args.dataset}_{'_'.join(args.models)}_{torch.device(args.device).type}.json",
         {"args": vars(args), "rows": rows},
     )
     print(f"wrote {path}")

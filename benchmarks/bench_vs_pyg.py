@@ -12,7 +12,7 @@ Both train on the first 70% by time, validate on the next 15% and test on the la
 batches of 200 and the same learning rate. Epochs alternate between the two (ours, PyG, ours,
 ...) so that load from other processes on a shared machine hits both alike. Printed: test AP
 and AUC (one negative per positive) and the mean training-epoch time of each; JSON goes to
-benchmarks/out/vs_pyg_<device>.json.
+benchmarks/out/vs_pyg_<dataset>_<device>.json.
 
 Needs torch_geometric (not a tidegraph dependency): run it in an environment that has it,
 e.g. `python -m venv --system-site-packages /tmp/pygenv && /tmp/pygenv/bin/pip install
@@ -239,7 +239,8 @@ def main() -> None:
         f"AP difference (tidegraph - PyG): {ap_diff:+.2f} points"
     )
     path = write_json(
-        f"vs_pyg_{device.type}{'_trainable_time' if args.trainable_time_encoding else ''}.json",
+        f"vs_pyg_{args.dataset}_{device.type}"
+        f"{'_trainable_time' if args.trainable_time_encoding else ''}.json",
         {
             "dataset": stream.name,
             "events": n,
