@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import print_table, write_json  # noqa: E402
 
+from tidegraph.runtime import tune_host_allocator  # noqa: E402
 from tidegraph.training import ContinualLearner, RunConfig, load_stream, run_offline  # noqa: E402
 
 
@@ -56,6 +57,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
+    tune_host_allocator()  # as the job does (in bench_vs_pyg: for both systems, one process)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import machine, print_table, sync, write_json  # noqa: E402
 
+from tidegraph.runtime import tune_host_allocator  # noqa: E402
 from tidegraph.training import ContinualLearner, RunConfig, load_stream  # noqa: E402
 from tidegraph.training.metrics import average_precision, roc_auc  # noqa: E402
 
@@ -160,6 +161,7 @@ def main() -> None:
     )
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (both sides)")
     args = p.parse_args()
+    tune_host_allocator()  # as the job does (in bench_vs_pyg: for both systems, one process)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)

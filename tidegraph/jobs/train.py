@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from tidegraph.runtime import tune_host_allocator
 from tidegraph.training.config import RunConfig
 from tidegraph.training.continual import ContinualLearner
 from tidegraph.training.offline import run_offline
@@ -83,6 +84,7 @@ def parse_config(argv: list[str] | None = None) -> RunConfig:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    tune_host_allocator()
     try:
         config = parse_config(argv)
     except ValueError as err:
