@@ -127,6 +127,13 @@ def test_a_file_with_edge_features_and_a_bad_row_trains_through_the_cache(wiki, 
     assert a["ap"] == b["ap"] and a["loss"] == b["loss"]
 
 
+def test_a_file_without_valid_events_is_a_config_error(tmp_path):
+    path = tmp_path / "empty.csv"
+    path.write_text("src,dst,time\n")
+    with pytest.raises(ValueError, match="holds no valid events"):
+        load_stream(str(path))
+
+
 def test_offline_split_learns(wiki):
     out = run_offline(small_config(mode="offline", train={"epochs": 2}), wiki)
     assert out["test"]["ap"] > 0.6 and 0 < out["test"]["mrr"] <= 1

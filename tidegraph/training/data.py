@@ -83,8 +83,10 @@ def _load_file(path: Path, max_events: int | None, format: str, quarantine: str 
     if max_events is not None:
         events = events.select(slice(0, max_events))
     n = len(events)
+    if n == 0:
+        raise ValueError(f"data.dataset: {path} holds no valid events")
     events.eid = torch.arange(n)  # rows of the stream (and of its edge-feature store)
-    num_nodes = int(torch.maximum(events.src.max(), events.dst.max())) + 1 if n else 0
+    num_nodes = int(torch.maximum(events.src.max(), events.dst.max())) + 1
     feat = events.edge_feat
     edge_dim = 0 if feat is None else int(feat.shape[1])
     return Stream(events=events, num_nodes=num_nodes, edge_dim=edge_dim, name=path.name)
