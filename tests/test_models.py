@@ -121,7 +121,8 @@ def test_attention_matches_a_dense_reference_and_handles_empty_rows():
     r, k = mask.shape
     h_root, h_all = torch.randn(r, 4), torch.randn(r, k, 4)
     dt_all, e_all = torch.rand(r, k) * 10, torch.randn(r, k, 2)
-    out = att(h_root, h_all[mask], dt_all[mask], e_all[mask], mask)
+    block = _block(torch.arange(r), torch.zeros(r, k, dtype=torch.int64), mask)
+    out = att(h_root, h_all[mask], dt_all[mask], e_all[mask], block)
     assert torch.isfinite(out).all()
     # reference: keys/values = W [h] + (time and edge projection, added to both); softmax over
     # each row's valid slots

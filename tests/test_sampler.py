@@ -40,6 +40,8 @@ def _rows(block: Block):
 
 def _check_layout(block: Block, k: int) -> None:
     assert block.nbr_ids.shape == block.nbr_ts.shape == block.mask.shape == (block.num_roots, k)
+    assert torch.equal(block.valid(block.nbr_eids), block.nbr_eids[block.mask])
+    assert torch.equal(block.valid_rows, block.mask.nonzero()[:, 0])
     invalid = ~block.mask
     assert (block.nbr_ids[invalid] == -1).all() and (block.nbr_eids[invalid] == -1).all()
     assert (block.dt[invalid] == 0).all()

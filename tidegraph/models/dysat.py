@@ -59,12 +59,12 @@ class DySAT(TemporalModel):
 
     def _structural(self, blocks: list) -> torch.Tensor:
         def layer(i, block, h_root, h_nbr):
-            valid = block.mask
             kv_nbr = None
             if i == 0:
-                nbr = block.nbr_ids[valid]
+                nbr = block.valid(block.nbr_ids)
                 kv_nbr = project_distinct(self.structural[0], self.node_input, nbr)
-            return self.structural[i](h_root, h_nbr, block.dt[valid], None, valid, kv_nbr)
+            dt = block.valid(block.dt)
+            return self.structural[i](h_root, h_nbr, dt, None, block, kv_nbr)
 
         return blocks_bottom_up(blocks, self.node_input, layer, bottom_nbr_states=False)
 

@@ -102,11 +102,11 @@ class TemporalAttention(nn.Module):
         h_nbr: torch.Tensor,  # [V, Din], valid slots in row-major order
         dt: torch.Tensor,  # [V] time since each neighbour's edge
         e_feat: torch.Tensor | None,  # [V, De] or None
-        mask: torch.Tensor,  # [R, K]
+        block: Block,  # the hop: its mask [R, K] and valid-slot positions
         kv_nbr: tuple[torch.Tensor, torch.Tensor] | None = None,  # project(h_nbr), by the caller
     ) -> torch.Tensor:
         """`kv_nbr` lets a caller project each distinct neighbour once and gather the rows."""
-        r, k = mask.shape
+        r, k = block.mask.shape
         h, d = self.heads, self.out_dim // self.heads
         k_V, v_V = self.project(h_nbr) if kv_nbr is None else kv_nbr
         query = self.q(h_root)
@@ -119,13 +119,13 @@ class TemporalAttention(nn.Module):
         if edge is not None:
             k_V, v_V = k_V + edge, v_V + edge
         k_V, v_V = k_V.view(-1, h, d), v_V.view(-1, h, d)
-        row = mask.nonzero()[:, 0]  # root of each valid slot (row-major, like h_nbr)
+        row, slot = block.valid_rows, block.valid_index  # per valid slot (row-major, like h_nbr)
         q_V = gather_rows(query.view(r, h, d), row)
         score_V = (q_V * k_V).sum(-1) / d**0.5  # [V, H]
         # softmax over each root's valid slots, laid out densely only as [R, K, H] scores
         fill = torch.finfo(score_V.dtype).min
-        score = score_V.new_full((r, k, h), fill).index_put((mask,), score_V)
-        attn_V = torch.softmax(score, 1)[mask]  # [V, H]
+        score = score_V.new_full((r * k, h), fill).index_copy(0, slot, score_V)
+        attn_V = torch.softmax(score.view(r, k, h), 1).view(r * k, h).index_select(0, slot)
         agg = v_V.new_zeros(r, h, d).index_add(0, row, attn_V.unsqueeze(-1) * v_V).view(r, -1)
         return self.norm(self.merge(torch.cat([agg, h_root], -1)))
 
@@ -181,7 +181,7 @@ def blocks_bottom_up(
     depth = len(blocks)
     last = blocks[-1]
     h_root = h0(last.dst_ids)
-    h_nbr = h0(last.nbr_ids[last.mask]) if bottom_nbr_states else None
+    h_nbr = h0(last.valid(last.nbr_ids)) if bottom_nbr_states else None
     for layer in range(depth):
         block = blocks[depth - 1 - layer]
         out = layer_fn(layer, block, h_root, h_nbr)

@@ -46,12 +46,12 @@ class TGAT(TemporalModel):
 
     def embed(self, ids: torch.Tensor, ts: torch.Tensor, blocks: list) -> torch.Tensor:
         def layer(i, block, h_root, h_nbr):
-            valid = block.mask
-            e = edge_features(self.edge_store, self.edge_dim, block.nbr_eids[valid], h_root)
+            e = edge_features(self.edge_store, self.edge_dim, block.valid(block.nbr_eids), h_root)
             kv_nbr = None
             if i == 0:
-                kv_nbr = project_distinct(self.layers[0], self.node_input, block.nbr_ids[valid])
-            return self.layers[i](h_root, h_nbr, block.dt[valid], e, valid, kv_nbr)
+                nbr = block.valid(block.nbr_ids)
+                kv_nbr = project_distinct(self.layers[0], self.node_input, nbr)
+            return self.layers[i](h_root, h_nbr, block.valid(block.dt), e, block, kv_nbr)
 
         return blocks_bottom_up(blocks, self.node_input, layer, bottom_nbr_states=False)
 

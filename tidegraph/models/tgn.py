@@ -80,7 +80,7 @@ class TGN(MemoryModel):
         )
 
     def embed(self, ids: torch.Tensor, ts: torch.Tensor, blocks: list) -> torch.Tensor:
-        n_id = torch.unique(torch.cat([ids] + [b.nbr_ids[b.mask] for b in blocks]))
+        n_id = torch.unique(torch.cat([ids] + [b.valid(b.nbr_ids) for b in blocks]))
         mem, last = self.memory.updated(n_id)
         self._stash = (n_id, mem, last)
 
@@ -88,12 +88,11 @@ class TGN(MemoryModel):
             return gather_rows(mem, torch.searchsorted(n_id, x))
 
         def layer(i, block, h_root, h_nbr):
-            valid = block.mask
-            e = edge_features(self.edge_store, self.edge_dim, block.nbr_eids[valid], h_root)
+            e = edge_features(self.edge_store, self.edge_dim, block.valid(block.nbr_eids), h_root)
             kv_nbr = None
             if i == 0:  # project each distinct node's memory once, then gather per slot
-                pos = torch.searchsorted(n_id, block.nbr_ids[valid])
+                pos = torch.searchsorted(n_id, block.valid(block.nbr_ids))
                 kv_nbr = tuple(gather_rows(x, pos) for x in self.layers[0].project(mem))
-            return self.layers[i](h_root, h_nbr, block.dt[valid], e, valid, kv_nbr)
+            return self.layers[i](h_root, h_nbr, block.valid(block.dt), e, block, kv_nbr)
 
         return blocks_bottom_up(blocks, h0, layer, bottom_nbr_states=False)

@@ -12,6 +12,7 @@ the next block, whose roots are the distinct (node, time) pairs.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from functools import cached_property
 
 import torch
 
@@ -39,10 +40,24 @@ class Block:
     def fanout(self) -> int:
         return int(self.nbr_ids.shape[1])
 
+    @cached_property
+    def valid_index(self) -> torch.Tensor:
+        """Flat row-major positions of the valid slots, int64 [V] (computed once)."""
+        return self.mask.flatten().nonzero().squeeze(1)
+
+    @cached_property
+    def valid_rows(self) -> torch.Tensor:
+        """The root (row) of each valid slot, int64 [V]."""
+        return torch.div(self.valid_index, self.fanout, rounding_mode="floor")
+
+    def valid(self, x: torch.Tensor) -> torch.Tensor:
+        """`x[mask]` for x [R, K, ...]: the valid slots in row-major order, [V, ...]."""
+        return x.flatten(0, 1).index_select(0, self.valid_index)
+
     def next_roots(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Roots of the next hop: these roots, then the valid neighbours in row-major order."""
-        ids = torch.cat([self.dst_ids, self.nbr_ids[self.mask]])
-        ts = torch.cat([self.dst_ts, self.nbr_ts[self.mask]])
+        ids = torch.cat([self.dst_ids, self.valid(self.nbr_ids)])
+        ts = torch.cat([self.dst_ts, self.valid(self.nbr_ts)])
         return ids, ts
 
     def to(self, device: torch.device | str) -> Block:
