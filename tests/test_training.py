@@ -114,6 +114,8 @@ def test_a_file_with_edge_features_and_a_bad_row_trains_through_the_cache(wiki, 
     rows = learner.edge_cache.get(torch.tensor([0, last])).cpu()
     torch.testing.assert_close(rows, learner.events.edge_feat[[0, last]])
     assert learner.edge_cache.stats()["rows"] > 0  # the model read features through the cache
+    record = learner.history[-1]
+    assert 0 <= record["edge_cache_hit_rate"] <= 1 and record["edge_cache_capacity"] >= 0
     assert learner.model.memory.msg_feat.abs().sum() > 0
     # the feature store travels in the learner's state: a restored learner continues the same
     # (one after the other: both use torch's process-wide generator; the state is saved as a

@@ -189,6 +189,10 @@ class ContinualLearner:
             "eval_events_per_s": (end - start) / eval_s,
             "train_events_per_s": (end - start + n_replay) * c.retrain_epochs / max(train_s, 1e-9),
         }
+        if self.edge_cache is not None:  # cumulative feature-cache figures, for metrics
+            stats = self.edge_cache.stats()
+            for key in ("hit_rate", "bytes_h2d", "lookup_seconds", "capacity"):
+                record[f"edge_cache_{key}"] = stats[key]
         self.offset += 1
         self._log(record)
         return record
