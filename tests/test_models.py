@@ -12,7 +12,7 @@ from tidegraph.models import (
     TimeEncoder,
     build_model,
 )
-from tidegraph.models.base import link_roots
+from tidegraph.models.base import LinkPredictor, link_roots
 from tidegraph.models.layers import TemporalAttention, blocks_bottom_up
 from tidegraph.sampling import Block, TemporalSampler
 from tidegraph.storage.events import EventBatch
@@ -235,6 +235,15 @@ def test_jodie_projects_memory_over_time_since_last_update(device):
     assert float(last[0]) == 50.0 and not torch.equal(mem[0], model.memory.memory[1])
     with pytest.raises(ValueError, match="num_layers must be 0 for jodie"):
         ModelConfig(name="jodie", num_layers=1)
+
+
+def test_link_predictor_pairs_equal_two_calls():
+    torch.manual_seed(0)
+    pred = LinkPredictor(6)
+    z_src, z_dst, z_neg = torch.randn(4, 6), torch.randn(4, 6), torch.randn(4, 3, 6)
+    pos, neg = pred.pairs(z_src, z_dst, z_neg)
+    torch.testing.assert_close(pos, pred(z_src, z_dst))
+    torch.testing.assert_close(neg, pred(z_src, z_neg))
 
 
 def test_unknown_model_is_rejected_naming_the_field():

@@ -34,6 +34,18 @@ class LinkPredictor(nn.Module):
             a = a.unsqueeze(1)
         return self.out(torch.relu(a + self.lin_dst(z_dst))).squeeze(-1)
 
+    def pairs(
+        self, z_src: torch.Tensor, z_dst: torch.Tensor, z_neg: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward(z_src, z_dst)` and `forward(z_src, z_neg)` ([B, Q, D]) with each linear map
+        applied once: logits [B] and [B, Q]."""
+        b, q, d = z_neg.shape
+        a = self.lin_src(z_src)
+        both = self.lin_dst(torch.cat([z_dst, z_neg.reshape(b * q, d)]))
+        pos = self.out(torch.relu(a + both[:b])).squeeze(-1)
+        neg = self.out(torch.relu(a.unsqueeze(1) + both[b:].view(b, q, -1))).squeeze(-1)
+        return pos, neg
+
 
 class TemporalModel(nn.Module):
     """Base class: subclasses set `num_layers`, `uses_snapshots` and implement `embed`."""
@@ -66,7 +78,7 @@ class TemporalModel(nn.Module):
         roots, ts = link_roots(src, dst, neg_BQ, t)
         z = self.embed(roots, ts, blocks)
         z_src, z_dst, z_neg = z[:b], z[b : 2 * b], z[2 * b :].view(b, q, -1)
-        return self.predictor(z_src, z_dst), self.predictor(z_src, z_neg)
+        return self.predictor.pairs(z_src, z_dst, z_neg)
 
     # ---- node state (no-ops for stateless models) -----------------------------------------
 
