@@ -38,7 +38,7 @@ for part in "${@:-quick}"; do
     cache) run cache_cuda python3 benchmarks/bench_cache.py --device cuda --full ;;
     train)
       run vs_pyg_cuda python3 benchmarks/bench_vs_pyg.py --device cuda
-      run train_cuda python3 benchmarks/bench_train.py --device cuda --models tgn tgat jodie
+      run train_cuda python3 benchmarks/bench_train.py --device cuda --models tgn tgat jodie apan
       ;;
     quick)
       run gpu_tests python3 -m pytest -m gpu -q -p no:cacheprovider

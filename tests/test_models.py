@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from tidegraph.models import (
+    APAN,
     JODIE,
     MODELS,
     TGN,
@@ -244,6 +245,38 @@ def test_link_predictor_pairs_equal_two_calls():
     pos, neg = pred.pairs(z_src, z_dst, z_neg)
     torch.testing.assert_close(pos, pred(z_src, z_dst))
     torch.testing.assert_close(neg, pred(z_src, z_neg))
+
+
+def test_apan_mailboxes_keep_the_newest_mails_and_reach_neighbours():
+    torch.manual_seed(0)
+    model = APAN(6, dim=4, time_dim=4, mailbox_size=2).eval()
+    # one forward pass over 3 events (0->1 at t=1, 2, 3); node 0's sampled neighbours: 4 and 5
+    src, dst = torch.tensor([0, 0, 0]), torch.tensor([1, 1, 1])
+    t = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
+    mask = torch.tensor([[True, True], [True, True], [True, False]] + [[False, False]] * 6)
+    nbr = torch.tensor([[4, 5], [4, 5], [5, 0]] + [[0, 0]] * 6)
+    block = _block(torch.cat([src, dst, dst]), nbr, mask)
+    model.score(src, dst, dst.view(3, 1), t, [block])
+    model.commit(None)  # evaluation chunks queue their rows until the events are recorded
+    model.commit(EventBatch(src, dst, t, torch.arange(3)))
+    assert model.mail_count.tolist() == [3, 3, 0, 0, 2, 3]
+    # rings of size 2 keep the two newest mails; node 4 got mails at t=1, 2, node 5 at 1, 2, 3
+    assert sorted(model.mail_t[0].tolist()) == [2.0, 3.0]
+    assert sorted(model.mail_t[4].tolist()) == [1.0, 2.0]
+    assert sorted(model.mail_t[5].tolist()) == [2.0, 3.0]
+    assert model.mail_t[2].tolist() == [-torch.inf, -torch.inf]
+    assert model.last_update[:2].tolist() == [3.0, 3.0]
+    # a mail is [z_self, z_other]: node 1's newest holds z_dst of the last event first
+    newest = int(model.mail_t[1].argmax())
+    torch.testing.assert_close(model.mail[1, newest, :4], model.memory[1])
+    # only mails older than a root's time are read
+    model.mail[0] = torch.randn(2, model.mail_dim)
+    model.mail_t[0] = torch.tensor([2.0, 3.0], dtype=torch.float64)
+    at = lambda t: model.embed(torch.tensor([0]), torch.tensor([t], dtype=torch.float64), [])
+    before, after = at(2.5), at(3.5)
+    model.mail_t[0, 1] = -torch.inf  # empty the newer slot: nothing changes at t=2.5
+    torch.testing.assert_close(at(2.5), before)
+    assert not torch.allclose(at(3.5), after)
 
 
 def test_unknown_model_is_rejected_naming_the_field():

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["gather_rows"]
+__all__ = ["gather_rows", "latest_rows"]
 
 
 def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -21,3 +21,15 @@ def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         return x.index_select(0, index)
     flat = x.index_select(0, index.reshape(-1))
     return flat.view(*index.shape, *x.shape[1:])
+
+
+def latest_rows(keys: torch.Tensor, times: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(distinct keys, the row of each key's latest time), ties going to the later row: rows
+    ranked by a stable sort on time, then a scatter-amax of the rank per key (no race between
+    duplicate keys)."""
+    order = torch.argsort(times, stable=True)
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(order.shape[0], device=order.device)
+    uniq, inv = torch.unique(keys, return_inverse=True)
+    best = torch.full_like(uniq, -1).scatter_reduce(0, inv, rank, "amax")
+    return uniq, order[best]

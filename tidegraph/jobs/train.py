@@ -31,7 +31,7 @@ log = logging.getLogger("tidegraph.jobs.train")
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m tidegraph.jobs.train", description=__doc__)
     p.add_argument("--config", help="YAML file mapped onto RunConfig")
-    p.add_argument("--model", help="tgn, tgat, dysat, sage or jodie")
+    p.add_argument("--model", help="tgn, tgat, dysat, sage, jodie or apan")
     p.add_argument("--dataset", help="wikipedia, collegemsg or a file path")
     p.add_argument("--format", help="of a file: auto (default), jodie, tgl, snap, csv, parquet")
     p.add_argument("--quarantine", help="write a file's rejected rows here instead of failing")

@@ -1,6 +1,7 @@
 """Temporal GNN models in pure PyTorch over the sampler's dense blocks: TGN, TGAT, DySAT-style
-snapshots, JODIE and a GraphSAGE baseline, with an MLP link predictor."""
+snapshots, JODIE, APAN and a GraphSAGE baseline, with an MLP link predictor."""
 
+from tidegraph.models.apan import APAN
 from tidegraph.models.base import LinkPredictor, TemporalModel
 from tidegraph.models.config import MODELS, ModelConfig, build_model
 from tidegraph.models.dysat import DySAT
@@ -12,6 +13,7 @@ from tidegraph.models.tgn import TGN
 from tidegraph.models.time_encoding import TimeEncoder
 
 __all__ = [
+    "APAN",
     "DySAT",
     "GraphSAGE",
     "JODIE",

@@ -1,14 +1,15 @@
 """Model configuration and the factory that builds a model from it.
 
 `ModelConfig.num_layers` left at None takes the model's usual depth (TGN 1, TGAT 2, DySAT 1
-per snapshot, GraphSAGE 2, JODIE 0: no neighbours); the run config checks it against the
-sampler's fanouts.
+per snapshot, GraphSAGE 2, JODIE 0: no neighbours, APAN 1: the neighbours its mails go to); the
+run config checks it against the sampler's fanouts.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tidegraph.models.apan import APAN
 from tidegraph.models.base import TemporalModel
 from tidegraph.models.dysat import DySAT
 from tidegraph.models.jodie import JODIE
@@ -19,8 +20,8 @@ from tidegraph.models.time_encoding import TimeEncoder
 
 __all__ = ["MODELS", "ModelConfig", "build_model"]
 
-MODELS = ("tgn", "tgat", "dysat", "sage", "jodie")
-DEFAULT_LAYERS = {"tgn": 1, "tgat": 2, "dysat": 1, "sage": 2, "jodie": 0}
+MODELS = ("tgn", "tgat", "dysat", "sage", "jodie", "apan")
+DEFAULT_LAYERS = {"tgn": 1, "tgat": 2, "dysat": 1, "sage": 2, "jodie": 0, "apan": 1}
 
 
 @dataclass(kw_only=True)
@@ -51,6 +52,11 @@ class ModelConfig:
                 f"model.num_layers must be 0 for jodie (it samples no neighbours), "
                 f"got {self.num_layers}"
             )
+        if self.name == "apan" and self.num_layers != 1:
+            raise ValueError(
+                "model.num_layers must be 1 for apan (one hop of neighbours receives its mails), "
+                f"got {self.num_layers}"
+            )
         if self.name != "jodie" and self.num_layers < 1:
             raise ValueError(f"model.num_layers must be >= 1, got {self.num_layers}")
 
@@ -70,6 +76,8 @@ def build_model(
     elif c.name == "tgat":
         nodes = dict(node_features=node_features, node_feat_dim=node_feat_dim)
         model = TGAT(num_nodes, c.dim, c.time_dim, edge_dim, c.num_layers, c.heads, **nodes)
+    elif c.name == "apan":
+        model = APAN(num_nodes, c.dim, c.time_dim, edge_dim, c.heads)
     elif c.name == "jodie":
         model = JODIE(num_nodes, c.dim, c.memory_dim, c.time_dim, edge_dim)
     elif c.name == "dysat":

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from tidegraph.models.time_encoding import TimeEncoder
-from tidegraph.ops import gather_rows
+from tidegraph.ops import gather_rows, latest_rows
 
 __all__ = ["TGNMemory"]
 
@@ -115,12 +115,7 @@ class TGNMemory(nn.Module):
         node = torch.stack([src, dst], 1).flatten()
         other = torch.stack([dst, src], 1).flatten()
         times = t.to(torch.float64).repeat_interleave(2)
-        order = torch.argsort(times, stable=True)
-        rank = torch.empty_like(order)
-        rank[order] = torch.arange(order.shape[0], device=order.device)
-        uniq, inv = torch.unique(node, return_inverse=True)
-        best = torch.full_like(uniq, -1).scatter_reduce(0, inv, rank, "amax")
-        row = order[best]
+        uniq, row = latest_rows(node, times)
         self.has_msg[uniq] = True
         self.msg_other[uniq] = other[row]
         self.msg_t[uniq] = times[row]

@@ -1,0 +1,195 @@
+"""APAN (Wang et al. 2021) in TGL's formulation: a mailbox per node, read by attention.
+
+Node state (buffers, so the model's `state_dict` carries it): a memory [N, D] per node, and a
+mailbox of the node's `mailbox_size` latest mails [N, M, 2D + De] with their times (a ring,
+-inf when empty). A root's embedding at time t attends from its memory over the mails older
+than t, with the time since each mail (`TemporalAttention`); no neighbour is read at embedding
+time, which is APAN's point: the graph work happens after the batch, asynchronously.
+
+After a batch (`commit(events)`), each event (u, v, t, e) sets the memories of u and v to
+their embeddings from that forward pass (detached; a node in several events keeps its latest)
+and sends the mail [z_u, z_v, e] to u and [z_v, z_u, e] to v, and the same mails on to their
+sampled neighbours (the forward pass's first hop: the sampler supplies the propagation targets,
+so `num_layers` is 1 while the embedding itself uses no neighbour). Mails land in each
+mailbox's ring in time order; a mailbox that receives more than M in one batch keeps the M
+newest.
+
+Evaluation in chunks calls `commit(None)` after each chunk and `commit(events)` once at the
+end, so forward passes in evaluation mode queue their rows until then; in training mode each
+forward pass starts a fresh queue. Memory: M * (2D + De) floats per node for the mailboxes.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tidegraph.models.base import TemporalModel
+from tidegraph.models.layers import TemporalAttention, edge_features
+from tidegraph.models.time_encoding import TimeEncoder
+from tidegraph.ops import gather_rows, latest_rows
+from tidegraph.sampling.block import Block
+from tidegraph.storage.events import EventBatch
+
+__all__ = ["APAN"]
+
+_STATE = ("memory", "last_update", "mail", "mail_t", "mail_count")
+
+
+class APAN(TemporalModel):
+    num_layers = 1
+
+    def __init__(
+        self,
+        num_nodes: int,
+        dim: int = 100,
+        time_dim: int = 100,
+        edge_dim: int = 0,
+        heads: int = 2,
+        mailbox_size: int = 10,
+    ) -> None:
+        super().__init__(dim)
+        self.edge_dim = edge_dim
+        self.mailbox_size = mailbox_size
+        self.mail_dim = 2 * dim + edge_dim
+        self.time_enc = TimeEncoder(time_dim)
+        self.mail_in = nn.Linear(self.mail_dim, dim)
+        self.attention = TemporalAttention(dim, self.time_enc, 0, dim, heads)
+        self._alloc(num_nodes)
+        self._queue: list[tuple[int, torch.Tensor, Block]] = []
+
+    def _alloc(self, n: int) -> None:
+        m = self.mailbox_size
+        self.register_buffer("memory", torch.zeros(n, self.dim))
+        self.register_buffer("last_update", torch.zeros(n, dtype=torch.float64))
+        self.register_buffer("mail", torch.zeros(n, m, self.mail_dim))
+        self.register_buffer("mail_t", torch.full((n, m), -torch.inf, dtype=torch.float64))
+        self.register_buffer("mail_count", torch.zeros(n, dtype=torch.int64))  # mails received
+
+    # ---- forward ----------------------------------------------------------------------------
+
+    def score(self, src, dst, neg_BQ, t, blocks):
+        if self.training:
+            self._queue.clear()
+        self._batch = src.shape[0]
+        return super().score(src, dst, neg_BQ, t, blocks)
+
+    def embed(self, ids: torch.Tensor, ts: torch.Tensor, blocks: list) -> torch.Tensor:
+        mail_t = gather_rows(self.mail_t, ids)  # [R, M]
+        ts = ts.to(mail_t.dtype)
+        # only filled slots (-inf: empty) holding mails of earlier events
+        visible = (mail_t < ts.unsqueeze(1)) & (mail_t > -torch.inf)
+        box = Block(
+            dst_ids=ids,
+            dst_ts=ts,
+            nbr_ids=torch.zeros_like(visible, dtype=torch.int64),
+            nbr_ts=mail_t,
+            nbr_eids=torch.zeros_like(visible, dtype=torch.int64),
+            dt=torch.where(visible, ts.unsqueeze(1) - mail_t, 0).float(),
+            mask=visible,
+        )
+        flat = ids.repeat_interleave(self.mailbox_size) * self.mailbox_size
+        flat = flat + torch.arange(self.mailbox_size, device=ids.device).repeat(ids.shape[0])
+        mails = gather_rows(self.mail.view(-1, self.mail_dim), box.valid(flat.view_as(visible)))
+        z = self.attention(
+            gather_rows(self.memory, ids), self.mail_in(mails), box.valid(box.dt), None, box
+        )
+        b = getattr(self, "_batch", None)
+        if b is not None and blocks:  # rows of the events' endpoints, kept for commit()
+            self._queue.append((b, z[: 2 * b].detach(), blocks[0]))
+            self._batch = None
+        return z
+
+    # ---- node state -------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def commit(self, events: EventBatch | None) -> None:
+        if events is None or not len(events) or not self._queue:
+            return
+        n = len(events)
+        z_src = torch.cat([z[:b] for b, z, _ in self._queue])[:n]
+        z_dst = torch.cat([z[b:] for b, z, _ in self._queue])[:n]
+        nbr = torch.cat([blk.nbr_ids[:b] for b, _, blk in self._queue])[:n]
+        nbr_dst = torch.cat([blk.nbr_ids[b : 2 * b] for b, _, blk in self._queue])[:n]
+        ok = torch.cat([blk.mask[:b] for b, _, blk in self._queue])[:n]
+        ok_dst = torch.cat([blk.mask[b : 2 * b] for b, _, blk in self._queue])[:n]
+        self._queue.clear()
+        t = events.t.to(torch.float64)
+        self._set_memory(torch.cat([events.src, events.dst]), torch.cat([z_src, z_dst]), t)
+        e = edge_features(self.edge_store, self.edge_dim, events.eid, z_src)
+        parts = [z_src, z_dst] + ([e] if e is not None else [])
+        mail_u = torch.cat(parts, -1)
+        mail_v = torch.cat([z_dst, z_src] + parts[2:], -1)
+        k = nbr.shape[1]
+        targets = torch.cat([events.src, events.dst, nbr[ok], nbr_dst[ok_dst]])
+        mails = torch.cat(
+            [
+                mail_u,
+                mail_v,
+                mail_u.unsqueeze(1).expand(-1, k, -1)[ok],
+                mail_v.unsqueeze(1).expand(-1, k, -1)[ok_dst],
+            ]
+        )
+        times = torch.cat(
+            [t, t, t.unsqueeze(1).expand(-1, k)[ok], t.unsqueeze(1).expand(-1, k)[ok_dst]]
+        )
+        self._deliver(targets, mails, times)
+
+    def _set_memory(self, nodes: torch.Tensor, z: torch.Tensor, t: torch.Tensor) -> None:
+        """memory[v] = z of v's latest event in the batch (ties: the later row)."""
+        times = t.repeat(2)
+        uniq, row = latest_rows(nodes, times)
+        self.memory[uniq] = z[row].to(self.memory.dtype)
+        self.last_update[uniq] = times[row]
+
+    def _deliver(self, targets: torch.Tensor, mails: torch.Tensor, times: torch.Tensor) -> None:
+        """Append mails to their targets' rings in time order, the M newest per target."""
+        m = self.mailbox_size
+        order = torch.argsort(times, stable=True)
+        order = order[torch.argsort(targets[order], stable=True)]  # by target, then time
+        tgt = targets[order]
+        uniq, counts = torch.unique_consecutive(tgt, return_counts=True)
+        first = torch.cumsum(counts, 0) - counts
+        rank = torch.arange(tgt.shape[0], device=tgt.device) - torch.repeat_interleave(
+            first, counts
+        )
+        count = torch.repeat_interleave(counts, counts)
+        keep = rank >= count - m  # older ones would be overwritten in this batch anyway
+        tgt, rank, order = tgt[keep], rank[keep], order[keep]
+        slot = (self.mail_count[tgt] + rank) % m
+        self.mail[tgt, slot] = mails[order].to(self.mail.dtype)
+        self.mail_t[tgt, slot] = times[order]
+        self.mail_count[uniq] += counts
+
+    def discard(self) -> None:
+        self._queue.clear()
+
+    def reset_state(self) -> None:
+        self._queue.clear()
+        for name in _STATE:
+            buffer = getattr(self, name)
+            buffer.fill_(-torch.inf if name == "mail_t" else 0)
+
+    def node_state(self) -> dict:
+        return {name: getattr(self, name).clone() for name in _STATE}
+
+    def load_node_state(self, state: dict) -> None:
+        self._queue.clear()
+        for name, value in state.items():
+            setattr(self, name, value.clone().to(getattr(self, name).device))
+
+    def grow(self, num_nodes: int) -> None:
+        extra = num_nodes - self.memory.shape[0]
+        if extra <= 0:
+            return
+        for name in _STATE:
+            old = getattr(self, name)
+            fill = -torch.inf if name == "mail_t" else 0
+            pad = old.new_full((extra,) + tuple(old.shape[1:]), fill)
+            setattr(self, name, torch.cat([old, pad]))
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        key = prefix + "memory"
+        if key in state_dict:
+            self.grow(state_dict[key].shape[0])
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
