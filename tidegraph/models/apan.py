@@ -57,6 +57,7 @@ class APAN(TemporalModel):
         self.attention = TemporalAttention(dim, self.time_enc, 0, dim, heads)
         self._alloc(num_nodes)
         self._queue: list[tuple[int, torch.Tensor, Block]] = []
+        self._batch: int | None = None  # events in the forward pass under way (set by score)
 
     def _alloc(self, n: int) -> None:
         m = self.mailbox_size
@@ -94,7 +95,7 @@ class APAN(TemporalModel):
         z = self.attention(
             gather_rows(self.memory, ids), self.mail_in(mails), box.valid(box.dt), None, box
         )
-        b = getattr(self, "_batch", None)
+        b = self._batch
         if b is not None and blocks:  # rows of the events' endpoints, kept for commit()
             self._queue.append((b, z[: 2 * b].detach(), blocks[0]))
             self._batch = None
