@@ -89,9 +89,9 @@ class APAN(TemporalModel):
             dt=torch.where(visible, ts.unsqueeze(1) - mail_t, 0).float(),
             mask=visible,
         )
-        flat = ids.repeat_interleave(self.mailbox_size) * self.mailbox_size
-        flat = flat + torch.arange(self.mailbox_size, device=ids.device).repeat(ids.shape[0])
-        mails = gather_rows(self.mail.view(-1, self.mail_dim), box.valid(flat.view_as(visible)))
+        m = self.mailbox_size
+        flat = ids.unsqueeze(1) * m + torch.arange(m, device=ids.device)  # [R, M] mail rows
+        mails = gather_rows(self.mail.view(-1, self.mail_dim), box.valid(flat))
         z = self.attention(
             gather_rows(self.memory, ids), self.mail_in(mails), box.valid(box.dt), None, box
         )
@@ -121,19 +121,11 @@ class APAN(TemporalModel):
         parts = [z_src, z_dst] + ([e] if e is not None else [])
         mail_u = torch.cat(parts, -1)
         mail_v = torch.cat([z_dst, z_src] + parts[2:], -1)
-        k = nbr.shape[1]
+        # neighbours (row-major, like nbr[ok]) get the mail of their row's event
+        u_rows, v_rows = ok.nonzero()[:, 0], ok_dst.nonzero()[:, 0]
         targets = torch.cat([events.src, events.dst, nbr[ok], nbr_dst[ok_dst]])
-        mails = torch.cat(
-            [
-                mail_u,
-                mail_v,
-                mail_u.unsqueeze(1).expand(-1, k, -1)[ok],
-                mail_v.unsqueeze(1).expand(-1, k, -1)[ok_dst],
-            ]
-        )
-        times = torch.cat(
-            [t, t, t.unsqueeze(1).expand(-1, k)[ok], t.unsqueeze(1).expand(-1, k)[ok_dst]]
-        )
+        mails = torch.cat([mail_u, mail_v, mail_u[u_rows], mail_v[v_rows]])
+        times = torch.cat([t, t, t[u_rows], t[v_rows]])
         self._deliver(targets, mails, times)
 
     def _set_memory(self, nodes: torch.Tensor, z: torch.Tensor, t: torch.Tensor) -> None:

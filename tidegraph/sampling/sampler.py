@@ -115,8 +115,7 @@ class TemporalSampler:
             if hop + 1 < len(self.fanouts):
                 roots, t_hi = block.next_roots()
                 if t_lo is not None:
-                    spread = t_lo.unsqueeze(1).expand_as(block.mask)[block.mask]
-                    t_lo = torch.cat([t_lo, spread])
+                    t_lo = torch.cat([t_lo, t_lo.index_select(0, block.valid_rows)])
                 if self.dedup:
                     roots, t_hi, t_lo, block.next_index = _distinct_roots(roots, t_hi, t_lo)
         return blocks
