@@ -69,38 +69,44 @@ class ParquetSource:
 
     def __init__(self, path: Path, cfg: LoaderConfig) -> None:
         self.path = path
-        self.file = pq.ParquetFile(str(path))
-        names = self.file.schema_arrow.names
-        columns = cfg.columns or infer_columns(names, path, header_line=None)
-        self.roles, self.features = resolve_columns(
-            columns, names, path, header_line=None, unit="row"
-        )
-        self.chunk_rows = cfg.chunk_rows
-        self.feature_width = cfg.feature_dim if cfg.feature_dim is not None else self._width()
+        # each use opens the file and closes it when done (or when its generator is dropped), so
+        # no reader outlives its pass: arrow threads left at interpreter exit can abort it
+        with pq.ParquetFile(str(path)) as file:
+            self.schema = file.schema_arrow
+            columns = cfg.columns or infer_columns(self.schema.names, path, header_line=None)
+            self.roles, self.features = resolve_columns(
+                columns, self.schema.names, path, header_line=None, unit="row"
+            )
+            self.chunk_rows = cfg.chunk_rows
+            width = cfg.feature_dim if cfg.feature_dim is not None else self._width(file)
+            self.feature_width = width
         if not self._list_features():  # scalar columns: the count is the width, as in CSV
             check_width(len(self.features), cfg.feature_dim, path, None)
 
     def _list_features(self) -> bool:
-        schema = self.file.schema_arrow
-        return len(self.features) == 1 and is_list(schema.field(self.features[0]).type)
+        return len(self.features) == 1 and is_list(self.schema.field(self.features[0]).type)
 
-    def _width(self) -> int:
+    def _width(self, file: pq.ParquetFile) -> int:
         """Width of a list-typed feature column: from its type, else from the first row."""
         if not self._list_features():
             return len(self.features)
-        type_ = self.file.schema_arrow.field(self.features[0]).type
+        type_ = self.schema.field(self.features[0]).type
         if pa.types.is_fixed_size_list(type_):
             return type_.list_size
-        for batch in self.file.iter_batches(batch_size=1, columns=self.features):
+        for batch in file.iter_batches(batch_size=1, columns=self.features):
             lengths = pc.list_value_length(batch.column(0)).drop_null()
             if len(lengths):
                 return lengths[0].as_py()
         return 0
 
     def chunks(self) -> Iterator[RawChunk]:
+        with pq.ParquetFile(str(self.path)) as file:
+            yield from self._batches(file)
+
+    def _batches(self, file: pq.ParquetFile) -> Iterator[RawChunk]:
         wanted = list(dict.fromkeys([*self.roles.values(), *self.features]))
         start = 0
-        for batch in self.file.iter_batches(batch_size=self.chunk_rows, columns=wanted):
+        for batch in file.iter_batches(batch_size=self.chunk_rows, columns=wanted):
             lines = np.arange(start + 1, start + 1 + batch.num_rows, dtype=np.int64)
             start += batch.num_rows
             columns = {r: batch.column(c) for r, c in self.roles.items()}

@@ -10,7 +10,10 @@ names the bad row. pyarrow parses text to float64 exactly as the text path does 
 same strings refused; tests compare the two), so the result does not depend on the path taken.
 Blocks are parsed on several threads; pyarrow only reports the line of a malformed row (wrong
 field count) when it reads serially, so a file with such a row is read again serially from the
-first row not yet handed out.
+first row not yet handed out. The threaded reader gets no Python row handler (a malformed row
+fails its block instead): a Python callback on pyarrow's worker threads can still be pending
+when the interpreter exits, and a thread that then takes the GIL is ended inside C++ code,
+which aborts the process ("terminate called without an active exception", apache/arrow#34314).
 
 Assumptions:
 - Line numbers are 1-based and count the header and leading comment lines; blank lines are
@@ -143,7 +146,6 @@ class CsvSource:
         roles_read = set(roles.values())
         typed = [c for c in dict.fromkeys(features) if c not in roles_read]
         self.typed = [] if whitespace else typed
-        self._threads = True
         header = 0 if column_names is not None else 1
         self.first_data_line = skip_rows + header + 1
         self._reset()
@@ -170,32 +172,45 @@ class CsvSource:
     def _pass(self, threads: bool, typed: bool) -> Iterator[RawChunk]:
         """One read of the file; rows handed out by an earlier pass are skipped, not repeated.
 
-        Returns "complete", "invalid" when a threaded pass stops at an invalid row, or
-        "unconvertible" when a typed pass meets a feature value pyarrow cannot parse. An invalid
-        row's handler runs while its block is parsed, and a conversion error is raised in place
-        of its block's batch, so in both cases no row from that block or later was handed out.
+        Returns "complete", "invalid" when a threaded pass fails a block (a malformed row), or
+        "unconvertible" when a typed pass meets a feature value pyarrow cannot parse. Both
+        failures are raised in place of their block's batch, so no row from that block or later
+        was handed out.
         """
-        self._threads, self._invalid = threads, False
         resume, seen = self._read, 0
         reader = self._open(threads, typed)
-        if reader is None:
-            return "unconvertible"
+        if isinstance(reader, str):
+            return reader
         try:
-            for batch in _guarded(reader, self.path, typed):
-                if batch is None:
-                    return "unconvertible"
-                if self._invalid and threads:
-                    return "invalid"
+            for batch in _guarded(reader, self._failure(threads, typed)):
+                if isinstance(batch, str):
+                    return batch
                 fresh = batch.slice(min(max(resume - seen, 0), batch.num_rows))
                 seen += batch.num_rows
                 for start in range(0, fresh.num_rows, self.chunk_rows):
                     yield self._chunk(fresh.slice(start, self.chunk_rows))
         finally:
             reader.close()
-        return "invalid" if self._invalid and threads else "complete"
+        return "complete"
 
-    def _open(self, threads: bool, typed: bool) -> pacsv.CSVStreamingReader | None:
-        """A reader, or None when a typed reader fails on its first block (it reads one)."""
+    def _failure(self, threads: bool, typed: bool):
+        """What a pass does when pyarrow fails a block: the outcome that reads it again, or a
+        LoaderError naming the file. A threaded pass has no row handler, so a malformed row
+        fails its block too: pyarrow's conversion errors go to the text path, anything else to
+        the serial reader (which reports malformed rows one by one and fails again, typed, on a
+        bad value)."""
+
+        def outcome(exc: pa.ArrowInvalid) -> str:
+            if threads and not (typed and "conversion error" in str(exc)):
+                return "invalid"
+            if typed:
+                return "unconvertible"
+            raise LoaderError(self.path, None, f"cannot parse: {exc}") from exc
+
+        return outcome
+
+    def _open(self, threads: bool, typed: bool) -> pacsv.CSVStreamingReader | str:
+        """A reader, or the pass's outcome when its first block (read on opening) fails."""
         wanted = list(dict.fromkeys([*self.roles.values(), *self.features]))
         names, delimiter, quote = self.column_names, self.delimiter, '"'
         if self.whitespace:  # one column of whole lines ("\x1f", unit separator, never used)
@@ -210,7 +225,9 @@ class CsvSource:
             use_threads=threads,
         )
         parse = pacsv.ParseOptions(
-            delimiter=delimiter, quote_char=quote, invalid_row_handler=self._on_invalid
+            delimiter=delimiter,
+            quote_char=quote,
+            invalid_row_handler=None if threads else self._on_invalid,
         )
         convert = pacsv.ConvertOptions(
             include_columns=wanted,
@@ -226,13 +243,11 @@ class CsvSource:
             )
         except pa.ArrowInvalid as exc:
             stream.close()
-            if typed:
-                return None
-            raise LoaderError(self.path, None, f"cannot read: {exc}") from exc
+            return self._failure(threads, typed)(exc)
 
     def _on_invalid(self, row: pacsv.InvalidRow) -> str:
-        self._invalid = True
-        if self._threads or self.lenient:
+        """Serial passes: record a malformed row as a reject (lenient: skip it silently)."""
+        if self.lenient:
             return "skip"
         ordinal = row.number - self.first_data_line
         if self._skipped and ordinal <= self._skipped[-1]:
@@ -304,21 +319,16 @@ def _values(array: pa.Array, index: np.ndarray) -> list[str]:
     return array.take(pa.array(index)).to_pylist()
 
 
-def _guarded(
-    reader: pacsv.CSVStreamingReader, path: Path, typed: bool
-) -> Iterator[pa.RecordBatch | None]:
-    """Batches of `reader`; a parse failure becomes a LoaderError naming the file, except in a
-    typed pass, which ends with None instead (the text pass re-reads the block and reports)."""
+def _guarded(reader: pacsv.CSVStreamingReader, failure) -> Iterator[pa.RecordBatch | str]:
+    """Batches of `reader`; a block pyarrow fails ends them with `failure(exc)` (an outcome)."""
     while True:
         try:
             batch = reader.read_next_batch()
         except StopIteration:
             return
         except pa.ArrowInvalid as exc:
-            if typed:
-                yield None
-                return
-            raise LoaderError(path, None, f"cannot parse: {exc}") from exc
+            yield failure(exc)
+            return
         yield batch
 
 
