@@ -15,6 +15,7 @@ from tidegraph.models import (
 )
 from tidegraph.models.base import LinkPredictor, link_roots
 from tidegraph.models.layers import TemporalAttention, blocks_bottom_up
+from tidegraph.ops import native_bf16
 from tidegraph.sampling import Block, TemporalSampler
 from tidegraph.storage.events import EventBatch
 from tidegraph.storage.graph import DynamicGraph
@@ -277,6 +278,40 @@ def test_apan_mailboxes_keep_the_newest_mails_and_reach_neighbours():
     model.mail_t[0, 1] = -torch.inf  # empty the newer slot: nothing changes at t=2.5
     torch.testing.assert_close(at(2.5), before)
     assert not torch.allclose(at(3.5), after)
+
+
+def test_bf16_slot_projections_stay_close_to_fp32_and_auto_follows_the_device(device):
+    torch.manual_seed(0)
+    att = TemporalAttention(16, TimeEncoder(8), 12, 16, heads=2).to(device)
+    mask = torch.rand(50, 10) < 0.7
+    r, k = mask.shape
+    h_root, h_all = torch.randn(r, 16), torch.randn(r, k, 16)
+    dt_all, e_all = torch.rand(r, k) * 100, torch.randn(r, k, 12)
+    block = _block(torch.arange(r), torch.zeros_like(mask, dtype=torch.int64), mask).to(device)
+    args = [x.to(device) for x in (h_root, h_all[mask], dt_all[mask], e_all[mask])] + [block]
+    out = {}
+    for precision in ("fp32", "bf16", "auto"):
+        att.slot_precision = precision
+        att.zero_grad()
+        out[precision] = att(*args)
+        out[precision].square().sum().backward()
+        out[precision] = (out[precision].detach(), att.kv_time.weight.grad.clone())
+    assert out["fp32"][0].dtype == out["bf16"][0].dtype == torch.float32
+    assert not torch.equal(out["fp32"][0], out["bf16"][0])  # the bf16 path did run
+    torch.testing.assert_close(out["bf16"][0], out["fp32"][0], atol=0.05, rtol=0.05)
+    # the weight gradient of the projection, computed in bf16, keeps its direction
+    g32, g16 = out["fp32"][1].flatten(), out["bf16"][1].flatten()
+    assert torch.nn.functional.cosine_similarity(g32, g16, 0) > 0.999
+    native = native_bf16(device.type, device.index)
+    assert torch.equal(out["auto"][0], out["bf16" if native else "fp32"][0])
+
+
+def test_build_model_sets_slot_precision_and_rejects_unknown_ones():
+    model = build_model(ModelConfig(name="tgat", slot_precision="bf16", **SMALL), 10)
+    atts = [m for m in model.modules() if isinstance(m, TemporalAttention)]
+    assert len(atts) == 2 and all(a.slot_precision == "bf16" for a in atts)
+    with pytest.raises(ValueError, match="model.slot_precision"):
+        ModelConfig(slot_precision="fp8")
 
 
 def test_unknown_model_is_rejected_naming_the_field():

@@ -6,13 +6,31 @@
 out of a 32M-element array 25 ms against 6.5 ms), and its backward (`index_put_` with
 accumulate) 3x slower than `index_add_`. On CUDA both are one gather kernel, and `index_select`'s
 backward is deterministic when `torch.use_deterministic_algorithms` is on.
+
+`slot_linear(lin, x, precision)` is `lin(x)` without bias, in bfloat16 where asked and the
+device multiplies bfloat16 natively (`native_bf16`): the per-neighbour-slot projections of the
+attention layers are the largest matrix products of a step (on CollegeMsg, TGN: [4,386, 100] x
+[100, 100] forward and its weight gradient, 3.1 of 15 ms), and on the dev box's AVX512-BF16 core
+a bfloat16 product of that shape takes 684 us against 1,489 us in float32 (rows padded to a
+multiple of 512 so that oneDNN reuses its kernels across batches).
 """
 
 from __future__ import annotations
 
-import torch
+import functools
+from pathlib import Path
 
-__all__ = ["gather_rows", "latest_rows"]
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["gather_rows", "latest_rows", "native_bf16", "slot_linear", "SLOT_PRECISIONS"]
+
+SLOT_PRECISIONS = ("auto", "fp32", "bf16")
+# bf16 products on the CPU pad their rows to a multiple of this: oneDNN creates a kernel for
+# each new shape, and per-slot row counts change every batch ([4,386, 100] x [100, 100] with
+# varying rows: 1,670 us unpadded, 684 us padded, fp32 1,489 us on the dev box)
+_CPU_ROW_BUCKET = 512
 
 
 def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -33,3 +51,35 @@ def latest_rows(keys: torch.Tensor, times: torch.Tensor) -> tuple[torch.Tensor, 
     uniq, inv = torch.unique(keys, return_inverse=True)
     best = torch.full_like(uniq, -1).scatter_reduce(0, inv, rank, "amax")
     return uniq, order[best]
+
+
+@functools.cache
+def native_bf16(device_type: str, index: int | None = None) -> bool:
+    """Whether `device` multiplies bfloat16 matrices in hardware: a CUDA device with bf16 support
+    (Ampere and later), or a CPU with AVX512-BF16 or AMX-BF16 instructions (Linux: read from
+    /proc/cpuinfo; other systems: False)."""
+    if device_type == "cuda":
+        with torch.cuda.device(index if index is not None else torch.cuda.current_device()):
+            return torch.cuda.is_bf16_supported(including_emulation=False)
+    if device_type != "cpu":
+        return False
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    flags = next((line for line in text.splitlines() if line.startswith("flags")), "").split()
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def slot_linear(lin: nn.Linear, x: torch.Tensor, precision: str = "fp32") -> torch.Tensor:
+    """`x @ lin.weight.T` (no bias) in float32, or multiplied in bfloat16 and returned in
+    x's dtype when `precision` is "bf16", or "auto" on a device with native bfloat16."""
+    dev = x.device
+    if precision == "bf16" or (precision == "auto" and native_bf16(dev.type, dev.index)):
+        n = x.shape[0]
+        xb = x.to(torch.bfloat16)
+        pad = (-n) % _CPU_ROW_BUCKET if dev.type == "cpu" else 0
+        if pad:  # oneDNN builds a kernel per shape: row counts in buckets reuse its cache
+            xb = F.pad(xb, (0, 0, 0, pad))
+        return F.linear(xb, lin.weight.to(torch.bfloat16))[:n].to(x.dtype)
+    return F.linear(x, lin.weight)

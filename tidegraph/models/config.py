@@ -13,10 +13,12 @@ from tidegraph.models.apan import APAN
 from tidegraph.models.base import TemporalModel
 from tidegraph.models.dysat import DySAT
 from tidegraph.models.jodie import JODIE
+from tidegraph.models.layers import TemporalAttention
 from tidegraph.models.sage import GraphSAGE
 from tidegraph.models.tgat import TGAT
 from tidegraph.models.tgn import TGN
 from tidegraph.models.time_encoding import TimeEncoder
+from tidegraph.ops import SLOT_PRECISIONS
 
 __all__ = ["MODELS", "ModelConfig", "build_model"]
 
@@ -36,6 +38,11 @@ class ModelConfig:
     # gave higher AP than trainable ones and a ~1.5x faster TGN epoch (no backward through the
     # cosines of every neighbour slot). True: trained as in the TGN and TGAT papers.
     time_trainable: bool = False
+    # precision of the attention layers' per-neighbour-slot time and edge projections, their
+    # largest matrix products: "auto" multiplies them in bfloat16 on devices that do so natively
+    # (CUDA Ampere+, CPUs with AVX512-BF16/AMX; 7-9% faster TGN steps on the dev box, same AP),
+    # float32 elsewhere; "fp32" and "bf16" force one
+    slot_precision: str = "auto"
 
     def __post_init__(self) -> None:
         if self.name not in MODELS:
@@ -43,6 +50,11 @@ class ModelConfig:
         for field in ("dim", "time_dim", "memory_dim", "heads"):
             if getattr(self, field) < 1:
                 raise ValueError(f"model.{field} must be >= 1, got {getattr(self, field)}")
+        if self.slot_precision not in SLOT_PRECISIONS:
+            raise ValueError(
+                f"model.slot_precision must be one of {SLOT_PRECISIONS}, "
+                f"got {self.slot_precision!r}"
+            )
         if self.dim % self.heads:
             raise ValueError(f"model.dim ({self.dim}) must be divisible by model.heads")
         if self.num_layers is None:
@@ -85,9 +97,10 @@ def build_model(
         model = DySAT(num_nodes, num_snapshots, c.dim, c.num_layers, c.heads, **nodes)
     else:
         model = GraphSAGE(num_nodes, c.dim, c.num_layers, node_features, node_feat_dim)
-    if not c.time_trainable:
-        for module in model.modules():
-            if isinstance(module, TimeEncoder):
-                module.weight.requires_grad_(False)
-                module.bias.requires_grad_(False)
+    for module in model.modules():
+        if isinstance(module, TemporalAttention):
+            module.slot_precision = c.slot_precision
+        if not c.time_trainable and isinstance(module, TimeEncoder):
+            module.weight.requires_grad_(False)
+            module.bias.requires_grad_(False)
     return model

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tidegraph.ops import gather_rows
+from tidegraph.ops import gather_rows, slot_linear
 from tidegraph.sampling.block import Block
 
 __all__ = [
@@ -72,7 +72,11 @@ class TemporalAttention(nn.Module):
     values have separate maps so that neither is a view into a shared tensor (the backward of
     such a split copies both halves again).
     `time_enc` None means no time features (DySAT's structural attention).
+    `slot_precision` ("auto", "fp32", "bf16") is the precision of the per-slot time and edge
+    projections (`tidegraph.ops.slot_linear`; "auto": bfloat16 where the device has it natively).
     """
+
+    slot_precision = "fp32"  # build_model sets the configured one
 
     def __init__(
         self, in_dim: int, time_enc: nn.Module | None, edge_dim: int, out_dim: int, heads: int = 2
@@ -113,9 +117,10 @@ class TemporalAttention(nn.Module):
         edge = None  # [V, out]: added to both keys and values
         if self.time_enc is not None:
             query = query + self.q_time(self.time_enc(dt.new_zeros(1)))
-            edge = self.kv_time(self.time_enc(dt))
+            edge = slot_linear(self.kv_time, self.time_enc(dt), self.slot_precision)
         if self.kv_edge is not None and e_feat is not None:
-            edge = self.kv_edge(e_feat) if edge is None else edge + self.kv_edge(e_feat)
+            e = slot_linear(self.kv_edge, e_feat, self.slot_precision)
+            edge = e if edge is None else edge + e
         if edge is not None:
             k_V, v_V = k_V + edge, v_V + edge
         k_V, v_V = k_V.view(-1, h, d), v_V.view(-1, h, d)

@@ -57,7 +57,8 @@ class LinkEngine:
         self, ev: EventBatch, weight: torch.Tensor | None = None, observe: EventBatch | None = None
     ) -> float:
         """One optimizer step on `ev`; `observe` are the events to record in node state."""
-        self.model.train()
+        if not self.model.training:  # Module.train() walks every submodule: once per pass
+            self.model.train()
         neg = self.negatives.sample(len(ev), self.train_negatives)
         pos, negl = self._forward(ev, neg)
         loss_e = F.binary_cross_entropy_with_logits(pos, torch.ones_like(pos), reduction="none")
@@ -76,7 +77,8 @@ class LinkEngine:
     @torch.no_grad()
     def eval_batch(self, ev: EventBatch, observe: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """(pos logits [B], negative logits [B, Q]) on the host; chunked to bound memory."""
-        self.model.eval()
+        if self.model.training:
+            self.model.eval()
         q = self.eval_negatives
         neg = self.negatives.sample(len(ev), q)
         step = max(1, self.eval_max_roots // (2 + q))
