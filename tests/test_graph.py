@@ -170,6 +170,23 @@ def test_gpu_placements_match_cpu(placement):
         assert _neighbors(gpu, v) == _neighbors(cpu, v)
 
 
+@pytest.mark.gpu
+def test_pinned_state_is_host_memory_and_loads_without_the_gpu(tmp_path):
+    cpu, gpu, _ = twin_graphs("pinned", num_nodes=30, num_edges=500, t_max=20, seed=1)
+    state = gpu.state_dict()
+    tensors = [v for seg in state["segments"] for v in seg.values() if torch.is_tensor(v)]
+    assert tensors and all(v.device.type == "cpu" for v in tensors)
+    torch.save(state, tmp_path / "g.pt")
+    loaded = DynamicGraph(device="pinned")
+    on_gpu = torch.load(tmp_path / "g.pt", map_location="cuda")  # a checkpoint moved to the GPU
+    before = torch.cuda.memory_allocated()
+    loaded.load_state_dict(on_gpu)
+    assert torch.cuda.memory_allocated() == before  # segments went to pinned host memory
+    for v in range(30):
+        assert _neighbors(loaded, v) == _neighbors(cpu, v)
+    assert loaded.offload_before(10.0) == cpu.offload_before(10.0)
+
+
 @settings(max_examples=60, deadline=None)
 @given(batches(), st.booleans())
 def test_time_ordered_stream_matches_reference(data, add_reverse):
@@ -189,6 +206,14 @@ def test_uva_view_needs_pinned_memory():
 
     with pytest.raises(ValueError, match="pinned host memory"):
         uva_view(torch.arange(4))
+
+
+@pytest.mark.gpu
+def test_uva_view_refuses_strided_pinned_memory():
+    from tidegraph.storage.uva import uva_view
+
+    with pytest.raises(ValueError, match="contiguous"):
+        uva_view(torch.arange(8).pin_memory()[::2])
 
 
 @pytest.mark.gpu

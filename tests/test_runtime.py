@@ -15,3 +15,22 @@ def test_host_allocator_tuning_applies_on_glibc():
     assert int(big.sum()) == 64 << 20
     del big
     assert int(torch.ones(64 << 20, dtype=torch.uint8).sum()) == 64 << 20
+
+
+def test_generator_state_restores_exactly_or_reseeds_from_another_device(caplog):
+    from tidegraph.rng import load_generator_state
+
+    gen = torch.Generator().manual_seed(7)
+    state = gen.get_state()
+    expected = torch.rand(5, generator=gen)
+    load_generator_state(gen, state, "test")
+    assert torch.equal(torch.rand(5, generator=gen), expected)
+    # a CUDA generator's state is 16 bytes: a CPU generator is seeded from it, reproducibly
+    foreign = torch.arange(16, dtype=torch.uint8)
+    draws = []
+    for _ in range(2):
+        with caplog.at_level("WARNING", logger="tidegraph.rng"):
+            load_generator_state(gen, foreign, "test")
+        draws.append(torch.rand(5, generator=gen))
+    assert torch.equal(draws[0], draws[1]) and not torch.equal(draws[0], expected)
+    assert "test: saved generator state (16 bytes) is from another device type" in caplog.text

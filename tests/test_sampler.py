@@ -334,9 +334,11 @@ def test_cuda_equals_cpu(strategy, placement):
     roots, ts = torch.randint(0, 220, (700,), generator=gen), torch.rand(700, generator=gen) * 1100
     a = TemporalSampler(cpu, [10, 5], strategy=strategy, seed=0).sample(roots, ts)
     b = TemporalSampler(gpu, [10, 5], strategy=strategy, seed=0).sample(roots.cuda(), ts.cuda())
-    for x, y in zip(a, b, strict=True):
-        assert torch.equal(x.mask, y.mask.cpu())
-        if strategy == "recent":  # uniform draws differ between CPU and CUDA generators
+    for hop, (x, y) in enumerate(zip(a, b, strict=True)):
+        # uniform draws differ between CPU and CUDA generators, and so do the roots of hop 2
+        if strategy == "recent" or hop == 0:
+            assert torch.equal(x.mask, y.mask.cpu())
+        if strategy == "recent":
             assert torch.equal(x.nbr_eids, y.nbr_eids.cpu())
         else:
             assert ((y.nbr_ts < y.dst_ts.unsqueeze(1)) | ~y.mask).all()

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 import torch
 
 from tidegraph.ops import gather_rows
+from tidegraph.rng import load_generator_state
 from tidegraph.sampling.block import Block
 from tidegraph.storage.graph import DynamicGraph
 from tidegraph.storage.segment import Segment
@@ -101,7 +102,7 @@ class TemporalSampler:
         return {"generator": self.generator.get_state()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.generator.set_state(state["generator"])
+        load_generator_state(self.generator, state["generator"], "sampler")
 
     # ---- hops -----------------------------------------------------------------------------
 

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tidegraph.rng import load_generator_state
+
 __all__ = [
     "PRECISIONS",
     "EncodedRows",
@@ -327,7 +329,7 @@ class HostFeatureStore(FeatureStore):
         if self._scale is not None:
             self._scale[: state["num_rows"]] = state["scale"]
         self._num_rows = state["num_rows"]
-        self._generator.set_state(state["generator"])
+        load_generator_state(self._generator, state["generator"], "feature store rounding")
         self._error.load_state_dict(state["error"])
 
     # ---- internals ----------------------------------------------------------------------------

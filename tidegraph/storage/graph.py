@@ -17,6 +17,7 @@ can outgrow GPU memory while sampling still runs on the GPU, reading host memory
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 
@@ -120,7 +121,8 @@ class DynamicGraph:
         """Pinned placement: move to pinned host memory, keep CUDA views of it for queries."""
         if self.placement != "pinned":
             return segment
-        return segment.map(lambda x: uva_view(x.cpu().pin_memory(), self.device))
+        host = segment.map(lambda x: x.cpu().pin_memory())
+        return dataclasses.replace(host.map(lambda x: uva_view(x, self.device)), host=host)
 
     # ---- queries --------------------------------------------------------------------------
 
@@ -163,6 +165,10 @@ class DynamicGraph:
                 trimmed = seg.drop_before(t)
                 if trimmed is not None:
                     kept.append(self._place(trimmed))
+        if self.placement == "pinned":
+            # kernels reading pinned memory through views are not tracked by the host caching
+            # allocator: let queued ones finish before their memory can be handed out again
+            torch.cuda.current_stream(self.device).synchronize()
         self.segments = kept
         dropped = before - self.num_stored_edges
         log.info("offloaded %d stored edges older than t=%s", dropped, t)
@@ -200,8 +206,10 @@ class DynamicGraph:
         self.num_nodes = state["num_nodes"]
         self.num_edges = state["num_edges"]
         self._next_eid = state["next_eid"]
+        # pinned: straight to host memory, never through the GPU (the graph may not fit there)
+        where = "cpu" if self.placement == "pinned" else self.device
         self.segments = [
-            self._place(Segment.from_state_dict(s).to(self.device)) for s in state["segments"]
+            self._place(Segment.from_state_dict(s).to(where)) for s in state["segments"]
         ]
 
 

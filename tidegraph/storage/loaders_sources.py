@@ -161,9 +161,9 @@ def load_tensor(path: Path) -> torch.Tensor | None:
     if not path.exists():
         return None
     try:
-        value = torch.load(str(path), mmap=True, weights_only=True)
+        value = torch.load(str(path), mmap=True, weights_only=True, map_location="cpu")
     except RuntimeError:  # legacy (non-zip) files cannot be memory-mapped
-        value = torch.load(str(path), weights_only=True)
+        value = torch.load(str(path), weights_only=True, map_location="cpu")
     if not isinstance(value, torch.Tensor):
         raise LoaderError(path, None, f"expected a tensor, found {type(value).__name__}")
     return value

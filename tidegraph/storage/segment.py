@@ -13,7 +13,7 @@ degree, so it needs no host synchronisation.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,6 +34,9 @@ class Segment:
     max_degree: int  # largest range length; bounds the binary-search steps
     t_min: float
     t_max: float
+    # pinned placement: the pinned host arrays that the (CUDA view) arrays above alias; state
+    # is taken from them, so a checkpoint holds host tensors, not device ones
+    host: Segment | None = field(default=None, repr=False, compare=False)
 
     @staticmethod
     def build(
@@ -209,6 +212,8 @@ class Segment:
         )
 
     def state_dict(self) -> dict:
+        if self.host is not None:
+            return self.host.state_dict()
         return {
             "nodes": self.nodes,
             "offsets": self.offsets,

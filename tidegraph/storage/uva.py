@@ -43,8 +43,10 @@ def uva_view(host: torch.Tensor, device: torch.device | str = "cuda") -> torch.T
     """A CUDA tensor aliasing the pinned host tensor `host`: kernels read host memory."""
     if not host.is_pinned():
         raise ValueError("uva_view: the tensor must be in pinned host memory")
+    if not host.is_contiguous():  # a contiguous copy would be pageable memory
+        raise ValueError("uva_view: the pinned tensor must be contiguous")
     if host.dtype not in _TYPESTR:
         raise ValueError(f"uva_view: unsupported dtype {host.dtype}")
     if host.numel() == 0:
         return torch.empty(host.shape, dtype=host.dtype, device=device)
-    return torch.as_tensor(_PinnedArray(host.contiguous()), device=device)
+    return torch.as_tensor(_PinnedArray(host), device=device)

@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 from tidegraph.models.config import build_model
+from tidegraph.rng import load_generator_state
 from tidegraph.sampling.sampler import TemporalSampler
 from tidegraph.storage.cache import CachedFeatureStore
 from tidegraph.storage.events import EventBatch
@@ -244,8 +245,8 @@ class ContinualLearner:
         self.sampler.load_state_dict(state["sampler"])
         self.negatives.load_state_dict(state["negatives"])
         self.replay.load_state_dict(state["replay"])
-        self.forget_gen.set_state(state["forget_gen"])
-        torch.set_rng_state(state["torch_rng"])
+        load_generator_state(self.forget_gen, state["forget_gen"], "forgetting probe")
+        torch.set_rng_state(state["torch_rng"].to("cpu", torch.uint8))
         self.ingested = state["ingested"]
         self.offset = state["offset"]
         self.phase1_done = state["phase1_done"]

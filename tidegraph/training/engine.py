@@ -100,4 +100,14 @@ class LinkEngine:
 def _blocks_to(blocks: list, device: torch.device) -> list:
     if blocks and isinstance(blocks[0], list):
         return [_blocks_to(b, device) for b in blocks]
-    return [b if b.dst_ids.device == device else b.to(device) for b in blocks]
+    return [b if _on(b.dst_ids, device) else b.to(device) for b in blocks]
+
+
+def _on(x: torch.Tensor, device: torch.device) -> bool:
+    """Whether `x` is on `device`; "cuda" without an index means the current device (tensors
+    always carry one, and torch.device("cuda") != torch.device("cuda:0"))."""
+    if x.device.type != device.type:
+        return False
+    if device.index is None and device.type == "cuda":
+        return x.device.index == torch.cuda.current_device()
+    return device.index is None or x.device.index == device.index

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from tidegraph.rng import load_generator_state
 from tidegraph.storage.events import EventBatch
 
 __all__ = ["ImportanceReplay", "NegativeSampler", "UniformReplay", "build_replay"]
@@ -43,7 +44,7 @@ class NegativeSampler:
         return {"generator": self.generator.get_state(), "pool": self.pool.clone()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.generator.set_state(state["generator"])
+        load_generator_state(self.generator, state["generator"], "negative sampler")
         self.pool = state["pool"].clone()
 
 
@@ -65,7 +66,7 @@ class UniformReplay:
         return {"generator": self.generator.get_state()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.generator.set_state(state["generator"])
+        load_generator_state(self.generator, state["generator"], "replay")
 
 
 class ImportanceReplay(UniformReplay):
