@@ -51,10 +51,15 @@ def machine() -> str:
 
 
 def write_json(name: str, payload: dict) -> Path:
+    """Write benchmarks/out/NAME, and a copy to $OUT when set (the GPU machine's result folder:
+    written as each benchmark ends, so results survive a later timeout)."""
     OUT_DIR.mkdir(exist_ok=True)
     path = OUT_DIR / name
     payload = {"machine": machine(), "torch": torch.__version__, **payload}
-    path.write_text(json.dumps(payload, indent=2))
+    text = json.dumps(payload, indent=2)
+    path.write_text(text)
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], name).write_text(text)
     return path
 
 

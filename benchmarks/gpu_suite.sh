@@ -6,14 +6,19 @@
 #   graph    graph store insert rate and bytes/edge: 100M edges on cuda, 1B edges pinned
 #   sampler  sampler on 1M and 100M-edge graphs (cuda), 100M pinned
 #   cache    feature cache: hit rates and cached vs pinned-host fetch time (cuda)
-#   train    TGN vs PyG epoch time and AP on cuda; continual/offline accuracy (tgn, tgat, jodie)
+#   pyg      TGN vs PyG epoch time and AP on cuda
+#   train    continual/offline accuracy and speed on cuda (tgn, tgat)
+#   train2   the same for jodie and apan, and the slot-precision step rates
 #   quick    a short smoke run of tests, graph and sampler
-# Logs and JSON go to $OUT (the device tool's folder) or benchmarks/out.
+# Logs and JSON go to $OUT (the device tool's folder: each JSON is written there as soon as its
+# benchmark ends, so a call cut off at its limit keeps what finished) or benchmarks/out.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-benchmarks/out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
+# deterministic cuBLAS for the training runs' deterministic mode (and no warning per matmul)
+export CUBLAS_WORKSPACE_CONFIG=${CUBLAS_WORKSPACE_CONFIG:-:4096:8}
 nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$out/gpu.txt"
 run() {  # run NAME CMD...: tee the output to $out/NAME.log
   local name=$1
@@ -35,10 +40,13 @@ for part in "${@:-quick}"; do
       run sampler_pinned python3 benchmarks/bench_sampler.py --device pinned \
         --edges 100_000_000 --iters 20
       ;;
-    cache) run cache_cuda python3 benchmarks/bench_cache.py --device cuda --full ;;
-    train)
-      run vs_pyg_cuda python3 benchmarks/bench_vs_pyg.py --device cuda
-      run train_cuda python3 benchmarks/bench_train.py --device cuda --models tgn tgat jodie apan
+    cache) run cache_cuda python3 benchmarks/bench_cache.py --device cuda ;;
+    pyg) run vs_pyg_cuda python3 benchmarks/bench_vs_pyg.py --device cuda ;;
+    train) run train_cuda python3 benchmarks/bench_train.py --device cuda --models tgn tgat ;;
+    train2)
+      run train2_cuda python3 benchmarks/bench_train.py --device cuda --models jodie apan
+      run step_cuda python3 benchmarks/bench_step.py --device cuda --models tgn tgat \
+        --precisions fp32 bf16
       ;;
     quick)
       run gpu_tests python3 -m pytest -m gpu -q -p no:cacheprovider
@@ -48,4 +56,3 @@ for part in "${@:-quick}"; do
     *) echo "gpu_suite.sh: unknown part $part" >&2; exit 2 ;;
   esac
 done
-cp benchmarks/out/*.json "$out"/ 2>/dev/null || true
