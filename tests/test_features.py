@@ -205,3 +205,17 @@ def test_fake_records_fetches_and_appends():
     copy = InMemoryFeatureStore(dim=2)
     copy.load_state_dict(fake.state_dict())
     assert torch.equal(copy.get(torch.arange(4)), fake.get(torch.arange(4)))
+
+
+def test_values_beyond_the_store_precision_are_refused_and_nothing_is_written():
+    store = HostFeatureStore(FeatureConfig(dim=2, precision="fp16"))
+    store.put(ids(0), torch.tensor([[1.0, 2.0]]))
+    with pytest.raises(
+        ValueError, match=r"feature value 100000.0 \(row 1, column 0\) is beyond the fp16"
+    ):
+        store.put(ids(0, 1), torch.tensor([[3.0, 4.0], [1e5, 0.0]]))
+    assert store.get(ids(0)).tolist() == [[1.0, 2.0]] and store.num_rows == 1
+    with pytest.raises(ValueError, match="beyond the fp32 range"):
+        encode(torch.tensor([[1e39]], dtype=torch.float64), "fp32")
+    # an infinity the caller gave is not an overflow
+    assert encode(torch.tensor([[float("inf")]], dtype=torch.float64), "fp16").data.isinf().all()

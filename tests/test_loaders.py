@@ -729,3 +729,35 @@ def test_snap_runs_of_whitespace_and_empty_files(tmp_path: Path) -> None:
 def test_tgl_feature_dim_applies_to_the_feature_tensor(tmp_path: Path) -> None:
     feats = make_tgl(tmp_path / "tgl", [1, 2, 3])
     assert torch.equal(load_events(tmp_path / "tgl", feature_dim=2).edge_feat, feats.float())
+
+
+@pytest.mark.parametrize("typed", [True, False])
+def test_features_beyond_float32_range_are_rejected_not_made_infinite(
+    tmp_path: Path, typed: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tidegraph.storage.loaders_text import CsvSource
+
+    monkeypatch.setattr(CsvSource, "read_typed", typed)
+    text = (
+        "user_id,item_id,timestamp,state_label,features\n"
+        "0,0,1.0,0,0.5,inf\n"  # an infinity written as such is a value, kept
+        "1,0,2.0,0,1e39,0.5\n"  # finite, but float32 cannot hold it
+        "2,1,3.0,0,0.25,-3e300\n"
+    )
+    path = write(tmp_path / "big.csv", text)
+    with pytest.raises(LoaderError) as info:
+        load_events(path)
+    assert str(info.value) == f"{path}: line 3: feature out of float32 range: 1e+39 in column 'f0'"
+    batch = load_events(path, quarantine=tmp_path / "q.csv")
+    assert batch.src.tolist() == [0] and batch.edge_feat[0].tolist() == [0.5, float("inf")]
+    assert [r["line"] for r in quarantined(tmp_path / "q.csv")] == ["3", "4"]
+
+
+def test_parquet_list_features_beyond_float32_range_are_rejected(tmp_path: Path) -> None:
+    table = pa.table(
+        {"src": [0, 1], "dst": [1, 2], "ts": [1.0, 2.0], "x": pa.array([[1.0, 2.0], [5e38, 0.0]])}
+    )
+    pq.write_table(table, tmp_path / "e.parquet")
+    columns = ColumnMap(src="src", dst="dst", time="ts", features="x")
+    with pytest.raises(LoaderError, match=r"row 2: feature out of float32 range: 5e\+38"):
+        load_events(tmp_path / "e.parquet", columns=columns)

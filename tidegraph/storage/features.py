@@ -84,14 +84,31 @@ def encode(
 ) -> EncodedRows:
     """Encode float rows [n, dim]; `stochastic` applies to int8 and bf16 (fp16 is nearest)."""
     _check_precision(precision, "encode")
-    rows = rows.to(torch.float32)
+    wide = rows
+    rows = _narrowed(rows, rows.to(torch.float32), "fp32")
     if precision == "fp32":
-        return EncodedRows(rows.clone())
+        return EncodedRows(rows.clone() if rows is wide else rows)
     if precision == "fp16":
-        return EncodedRows(rows.to(torch.float16))
+        return EncodedRows(_narrowed(rows, rows.to(torch.float16), "fp16"))
     if precision == "bf16":
         return EncodedRows(_to_bf16(rows, stochastic, generator))
     return _to_int8(rows, stochastic, generator)
+
+
+def _narrowed(wide: torch.Tensor, narrow: torch.Tensor, name: str) -> torch.Tensor:
+    """`narrow` (a lower-precision copy of `wide`), refused when a finite value of `wide`
+    overflowed to infinity: a store never holds an infinity it was not given."""
+    if narrow.dtype == wide.dtype or not narrow.is_floating_point():
+        return narrow
+    over = torch.isinf(narrow) & torch.isfinite(wide)
+    if bool(over.any()):
+        row, col = (int(x) for x in over.nonzero()[0])
+        raise ValueError(
+            f"feature value {float(wide[row, col])!r} (row {row}, column {col}) is beyond the "
+            f"{name} range ({torch.finfo(narrow.dtype).max:.6g}); store these features in a "
+            "wider precision (fp32, or bf16/int8 for compactness)"
+        )
+    return narrow
 
 
 def decode(rows: EncodedRows, dtype: torch.dtype = torch.float32) -> torch.Tensor:

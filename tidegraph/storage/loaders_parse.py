@@ -305,10 +305,35 @@ def _parse_features(chunk: RawChunk, checks: _Checks, feature_dim: int | None) -
         return _parse_list_features(chunk.columns[names[0]], names[0], checks, width)
     arrays = [chunk.columns[c] for c in names]
     if all(pa.types.is_floating(a.type) and a.null_count == 0 for a in arrays):
-        # typed CSV or Parquet floats: nothing to check; float64 -> float32 rounds as astype does
-        return np.stack([a.to_numpy() for a in arrays], axis=1, dtype=np.float32)
-    columns = [_parse_float(chunk.columns[c], c, checks, what="feature") for c in names]
-    return np.stack(columns, axis=1).astype(np.float32)
+        # typed CSV or Parquet floats: only their float32 range to check
+        values = np.stack([a.to_numpy() for a in arrays], axis=1, dtype=np.float64)
+    else:
+        columns = [_parse_float(chunk.columns[c], c, checks, what="feature") for c in names]
+        values = np.stack(columns, axis=1)
+    return _to_float32(values, names, checks)
+
+
+def _to_float32(
+    values: np.ndarray, names: list[str], checks: _Checks, rows: np.ndarray | None = None
+) -> np.ndarray:
+    """float64 features [n, k] as float32 (rounded as astype does); a row with a finite value
+    beyond float32's range fails instead of holding an infinity it never had. `rows`: the
+    chunk positions of the n rows (None: all of the chunk, in order)."""
+    with np.errstate(over="ignore"):
+        out = values.astype(np.float32)
+    over = np.isinf(out) & np.isfinite(values)
+    hit = np.flatnonzero(over.any(1)) if over.any() else np.empty(0, dtype=np.int64)
+    if hit.size:
+        pos = hit if rows is None else rows[hit]
+        col = over[hit].argmax(1)
+        reason = {
+            int(p): f"feature out of float32 range: {float(values[h, c])!r} in column '{names[c]}'"
+            for p, h, c in zip(pos, hit, col, strict=True)
+        }
+        mask = np.zeros(len(checks.bad), dtype=bool)
+        mask[pos] = True
+        checks.fail(mask, lambda i: [reason[int(p)] for p in i])
+    return out
 
 
 def is_list(type_: pa.DataType) -> bool:
@@ -333,7 +358,8 @@ def _parse_list_features(array: pa.Array, name: str, checks: _Checks, width: int
     out = np.zeros((len(array), width), dtype=np.float32)
     if width and good.size:  # reshape(-1, 0) cannot infer a row count
         flat = pc.list_flatten(array.take(pa.array(good)))
-        out[good] = pc.cast(flat, pa.float32()).to_numpy(zero_copy_only=False).reshape(-1, width)
+        values = pc.cast(flat, pa.float64()).to_numpy(zero_copy_only=False).reshape(-1, width)
+        out[good] = _to_float32(values, [name] * width, checks, rows=good)
     return out
 
 
