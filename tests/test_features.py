@@ -211,7 +211,8 @@ def test_values_beyond_the_store_precision_are_refused_and_nothing_is_written():
     store = HostFeatureStore(FeatureConfig(dim=2, precision="fp16"))
     store.put(ids(0), torch.tensor([[1.0, 2.0]]))
     with pytest.raises(
-        ValueError, match=r"feature value 100000.0 \(row 1, column 0\) is beyond the fp16"
+        ValueError,
+        match=r"put: id 1: feature value 100000.0 \(column 0\) is beyond the fp16",
     ):
         store.put(ids(0, 1), torch.tensor([[3.0, 4.0], [1e5, 0.0]]))
     assert store.get(ids(0)).tolist() == [[1.0, 2.0]] and store.num_rows == 1
@@ -219,3 +220,12 @@ def test_values_beyond_the_store_precision_are_refused_and_nothing_is_written():
         encode(torch.tensor([[1e39]], dtype=torch.float64), "fp32")
     # an infinity the caller gave is not an overflow
     assert encode(torch.tensor([[float("inf")]], dtype=torch.float64), "fp16").data.isinf().all()
+
+    # rows are deduplicated before encoding: the message names the caller's id
+    with pytest.raises(ValueError, match=r"put: id 5: feature value 100000.0"):
+        store.put(ids(5, 0, 0), torch.tensor([[1e5, 0.0], [1.0, 1.0], [2.0, 2.0]]))
+    # bf16 keeps float32's exponent but rounds the largest values up to infinity
+    with pytest.raises(ValueError, match="beyond the bf16 range"):
+        encode(torch.tensor([[3.4e38]]), "bf16", stochastic=False)
+    with pytest.raises(ValueError, match="FeatureConfig.default 100000.0 is beyond the fp16"):
+        FeatureConfig(dim=2, precision="fp16", default=1e5)

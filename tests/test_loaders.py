@@ -761,3 +761,17 @@ def test_parquet_list_features_beyond_float32_range_are_rejected(tmp_path: Path)
     columns = ColumnMap(src="src", dst="dst", time="ts", features="x")
     with pytest.raises(LoaderError, match=r"row 2: feature out of float32 range: 5e\+38"):
         load_events(tmp_path / "e.parquet", columns=columns)
+
+
+def test_tgl_float64_features_beyond_float32_range_are_rejected(tmp_path: Path) -> None:
+    make_tgl(tmp_path / "tgl", [1, 2, 3])
+    feats = torch.arange(6, dtype=torch.float64).view(3, 2)
+    feats[1, 1] = 1e39
+    torch.save(feats, tmp_path / "tgl" / "edge_features.pt")
+    with pytest.raises(LoaderError) as info:
+        load_events(tmp_path / "tgl")
+    assert str(info.value).endswith(
+        "line 3: feature out of float32 range: 1e+39 in column 'edge_features.pt[:, 1]'"
+    )
+    batch = load_events(tmp_path / "tgl", quarantine=tmp_path / "q.csv")
+    assert batch.edge_feat.tolist() == [[0.0, 1.0], [4.0, 5.0]]

@@ -3,6 +3,7 @@
 import platform
 import sys
 
+import pytest
 import torch
 
 from tidegraph.runtime import tune_host_allocator
@@ -34,3 +35,7 @@ def test_generator_state_restores_exactly_or_reseeds_from_another_device(caplog)
         draws.append(torch.rand(5, generator=gen))
     assert torch.equal(draws[0], draws[1]) and not torch.equal(draws[0], expected)
     assert "test: saved generator state (16 bytes) is from another device type" in caplog.text
+    with pytest.raises(ValueError, match="test: saved generator state has 100 bytes"):
+        load_generator_state(gen, torch.zeros(100, dtype=torch.uint8), "test")
+    with pytest.raises(ValueError, match="uint8"):
+        load_generator_state(gen, state.long(), "test")

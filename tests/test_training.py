@@ -242,6 +242,20 @@ def test_checkpoint_resumes_in_a_new_process_to_the_same_result(tmp_path):
     assert _metrics(resumed["history"]) == _metrics(full.history)
 
 
+def test_checkpoint_records_slot_precision_and_a_different_one_warns(caplog):
+    learner = ContinualLearner(small_config(model={"name": "tgn", "slot_precision": "fp32"}))
+    state = learner.state_dict()
+    assert state["slot_precision"] == "fp32"
+    learner.load_state_dict(state)
+    assert "slot projections" not in caplog.text
+    state["slot_precision"] = "bf16"
+    with caplog.at_level("WARNING", logger="tidegraph.training.continual"):
+        learner.load_state_dict(state)
+    assert "checkpoint was trained with bf16 slot projections, this process uses fp32" in (
+        caplog.text
+    )
+
+
 # ---- metrics, replay, increments -----------------------------------------------------------
 
 

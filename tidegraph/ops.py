@@ -24,7 +24,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["gather_rows", "latest_rows", "native_bf16", "slot_linear", "SLOT_PRECISIONS"]
+__all__ = [
+    "gather_rows",
+    "latest_rows",
+    "native_bf16",
+    "resolved_slot_precision",
+    "slot_linear",
+    "SLOT_PRECISIONS",
+]
 
 SLOT_PRECISIONS = ("auto", "fp32", "bf16")
 # bf16 products on the CPU pad their rows to a multiple of this: oneDNN creates a kernel for
@@ -71,15 +78,25 @@ def native_bf16(device_type: str, index: int | None = None) -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def resolved_slot_precision(precision: str, device: torch.device) -> str:
+    """ "fp32" or "bf16": what `precision` ("auto" included) means on `device`."""
+    device = torch.device(device)
+    if precision == "auto":
+        return "bf16" if native_bf16(device.type, device.index) else "fp32"
+    return precision
+
+
 def slot_linear(lin: nn.Linear, x: torch.Tensor, precision: str = "fp32") -> torch.Tensor:
     """`x @ lin.weight.T` (no bias) in float32, or multiplied in bfloat16 and returned in
     x's dtype when `precision` is "bf16", or "auto" on a device with native bfloat16."""
     dev = x.device
-    if precision == "bf16" or (precision == "auto" and native_bf16(dev.type, dev.index)):
-        n = x.shape[0]
-        xb = x.to(torch.bfloat16)
+    if resolved_slot_precision(precision, dev) == "bf16":
+        flat = x.reshape(-1, x.shape[-1])
+        n = flat.shape[0]
+        xb = flat.to(torch.bfloat16)
         pad = (-n) % _CPU_ROW_BUCKET if dev.type == "cpu" else 0
         if pad:  # oneDNN builds a kernel per shape: row counts in buckets reuse its cache
             xb = F.pad(xb, (0, 0, 0, pad))
-        return F.linear(xb, lin.weight.to(torch.bfloat16))[:n].to(x.dtype)
+        out = F.linear(xb, lin.weight.to(torch.bfloat16))[:n].to(x.dtype)
+        return out.view(*x.shape[:-1], out.shape[-1])
     return F.linear(x, lin.weight)

@@ -21,12 +21,24 @@ __all__ = ["load_generator_state"]
 log = logging.getLogger(__name__)
 
 
+_STATE_BYTES = {"cpu": 5056, "cuda": 16}  # Philox (CUDA): seed and offset
+
+
 def load_generator_state(gen: torch.Generator, state: torch.Tensor, what: str) -> None:
-    """Set `gen` to `state` (any device); `what` names the generator in the warning."""
-    state = state.detach().to("cpu", torch.uint8)
-    if state.numel() == gen.get_state().numel():
+    """Set `gen` to `state` (any device); `what` names the generator in errors and warnings."""
+    if state.dtype != torch.uint8:
+        raise ValueError(f"{what}: a generator state is a uint8 tensor, got {state.dtype}")
+    state = state.detach().cpu()
+    own = gen.get_state().numel()
+    if state.numel() == own:
         gen.set_state(state)
         return
+    if state.numel() not in _STATE_BYTES.values():
+        raise ValueError(
+            f"{what}: saved generator state has {state.numel()} bytes; this {gen.device.type} "
+            f"generator's has {own} (a CPU generator's {_STATE_BYTES['cpu']}, a CUDA one's "
+            f"{_STATE_BYTES['cuda']}): not a generator state"
+        )
     seed = int.from_bytes(hashlib.sha256(state.numpy().tobytes()).digest()[:8], "little")
     gen.manual_seed(seed)
     log.warning(

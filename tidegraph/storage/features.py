@@ -91,7 +91,7 @@ def encode(
     if precision == "fp16":
         return EncodedRows(_narrowed(rows, rows.to(torch.float16), "fp16"))
     if precision == "bf16":
-        return EncodedRows(_to_bf16(rows, stochastic, generator))
+        return EncodedRows(_narrowed(rows, _to_bf16(rows, stochastic, generator), "bf16"))
     return _to_int8(rows, stochastic, generator)
 
 
@@ -103,12 +103,18 @@ def _narrowed(wide: torch.Tensor, narrow: torch.Tensor, name: str) -> torch.Tens
     over = torch.isinf(narrow) & torch.isfinite(wide)
     if bool(over.any()):
         row, col = (int(x) for x in over.nonzero()[0])
-        raise ValueError(
-            f"feature value {float(wide[row, col])!r} (row {row}, column {col}) is beyond the "
-            f"{name} range ({torch.finfo(narrow.dtype).max:.6g}); store these features in a "
-            "wider precision (fp32, or bf16/int8 for compactness)"
-        )
+        fix = "store these features in fp32" if name != "fp32" else "scale them into it"
+        why = f"is beyond the {name} range ({torch.finfo(narrow.dtype).max:.6g}); {fix}"
+        raise _Overflow(row, f"feature value {float(wide[row, col])!r} (column {col}) {why}")
     return narrow
+
+
+class _Overflow(ValueError):
+    """A finite feature value that a narrower precision would turn into an infinity."""
+
+    def __init__(self, row: int, message: str) -> None:
+        super().__init__(f"row {row}: {message}")
+        self.row, self.message = row, message
 
 
 def decode(rows: EncodedRows, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -258,6 +264,11 @@ class FeatureConfig:
         _check_precision(self.precision, "FeatureConfig.precision")
         if not math.isfinite(self.default):
             raise ValueError(f"FeatureConfig.default must be finite, got {self.default}")
+        narrow = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(self.precision)
+        if narrow is not None and not math.isfinite(torch.tensor(self.default).to(narrow)):
+            raise ValueError(
+                f"FeatureConfig.default {self.default} is beyond the {self.precision} range"
+            )
 
 
 class HostFeatureStore(FeatureStore):
@@ -307,7 +318,12 @@ class HostFeatureStore(FeatureStore):
         if ids.numel() == 0:
             return
         ids, rows = _last_write_wins(ids, rows)
-        enc = encode(rows, self.precision, self.config.stochastic, self._generator)
+        try:
+            enc = encode(rows, self.precision, self.config.stochastic, self._generator)
+        except _Overflow as exc:  # name the id: rows were deduplicated and reordered
+            raise ValueError(
+                f"HostFeatureStore.put: id {int(ids[exc.row])}: {exc.message}"
+            ) from None
         if self.config.track_error and self.precision != "fp32":
             self._error.add(rows.float(), decode(enc) - rows.float())
         self._reserve(int(ids.max()) + 1)

@@ -137,7 +137,13 @@ def parse_chunk(chunk: RawChunk, rules: IdRules, feature_dim: int | None) -> tup
     label = None
     if "label" in cols:
         label = _parse_float(cols["label"], names["label"], checks, "label").astype(np.float32)
-    feat = chunk.feat if chunk.feat is not None else _parse_features(chunk, checks, feature_dim)
+    if chunk.feat is not None:  # TGL: rows of edge_features.pt
+        feat = chunk.feat
+        if feat.dtype == np.float64:
+            names = [f"edge_features.pt[:, {j}]" for j in range(feat.shape[1])]
+            feat = _to_float32(feat, names, checks)
+    else:
+        feat = _parse_features(chunk, checks, feature_dim)
     dst = _apply_rules(src, dst, rules, checks)
     keep = np.flatnonzero(~checks.bad)
     rows = Rows(src=src, dst=dst, t=t, lines=chunk.lines, label=label).take(keep)

@@ -152,8 +152,9 @@ class TglSource:
             line = int(ordinals[ordinals >= m][0]) + self.csv.first_data_line
             reason = f"no edge features for this row: edge_features.pt has {m} rows"
             raise LoaderError(self.path, line, reason)
-        index = torch.from_numpy(ordinals)
-        return self.feat[index].to(torch.float32).numpy()
+        rows = self.feat[torch.from_numpy(ordinals)]
+        # float64 stays so: the parser refuses values float32 cannot hold instead of inf
+        return (rows if rows.dtype == torch.float64 else rows.to(torch.float32)).numpy()
 
 
 def load_tensor(path: Path) -> torch.Tensor | None:

@@ -201,7 +201,9 @@ class CsvSource:
         bad value)."""
 
         def outcome(exc: pa.ArrowInvalid) -> str:
-            if threads and not (typed and "conversion error" in str(exc)):
+            message = str(exc)  # pyarrow echoes a malformed row's text after its own words
+            conversion = "CSV conversion error" in message and "CSV parse error" not in message
+            if threads and not (typed and conversion):
                 return "invalid"
             if typed:
                 return "unconvertible"

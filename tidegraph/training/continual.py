@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 from tidegraph.models.config import build_model
+from tidegraph.ops import resolved_slot_precision
 from tidegraph.rng import load_generator_state
 from tidegraph.sampling.sampler import TemporalSampler
 from tidegraph.storage.cache import CachedFeatureStore
@@ -93,6 +94,8 @@ class ContinualLearner:
         self.model = build_model(
             config.model, self.stream.num_nodes, self.stream.edge_dim, num_snapshots=snaps
         ).to(self.device)
+        self.slot_precision = resolved_slot_precision(config.model.slot_precision, self.device)
+        log.info("attention slot projections in %s on %s", self.slot_precision, self.device)
         self.edge_cache = self._edge_features()
         self.model.edge_store = self.edge_cache
         self.optimizer = self._new_optimizer()
@@ -233,6 +236,7 @@ class ContinualLearner:
             "offset": self.offset,
             "phase1_done": self.phase1_done,
             "history": [dict(r) for r in self.history],
+            "slot_precision": self.slot_precision,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -251,6 +255,16 @@ class ContinualLearner:
         self.offset = state["offset"]
         self.phase1_done = state["phase1_done"]
         self.history = [dict(r) for r in state["history"]]
+        saved = state.get("slot_precision", self.slot_precision)
+        if saved != self.slot_precision:
+            log.warning(
+                "checkpoint was trained with %s slot projections, this process uses %s "
+                "(model.slot_precision %r on %s): the run continues with other numerics",
+                saved,
+                self.slot_precision,
+                self.config.model.slot_precision,
+                self.device,
+            )
 
     # ---- passes ---------------------------------------------------------------------------
 

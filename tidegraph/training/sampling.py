@@ -45,7 +45,7 @@ class NegativeSampler:
 
     def load_state_dict(self, state: dict) -> None:
         load_generator_state(self.generator, state["generator"], "negative sampler")
-        self.pool = state["pool"].clone()
+        self.pool = state["pool"].to("cpu").clone()
 
 
 class UniformReplay:
