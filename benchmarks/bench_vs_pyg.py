@@ -108,7 +108,7 @@ class PygTGN:
             loss.backward()
             self.optimizer.step()
             self.memory.detach()
-        return float(loss)
+        return float(loss.detach())
 
     @torch.no_grad()
     def evaluate(self, batches) -> dict:
