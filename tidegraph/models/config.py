@@ -40,8 +40,8 @@ class ModelConfig:
     time_trainable: bool = False
     # precision of the attention layers' per-neighbour-slot time and edge projections, their
     # largest matrix products: "auto" multiplies them in bfloat16 on devices that do so natively
-    # (CUDA Ampere+, CPUs with AVX512-BF16/AMX; 7-9% faster TGN steps on the dev box, same AP),
-    # float32 elsewhere; "fp32" and "bf16" force one
+    # (CUDA Ampere+, CPUs with AVX512-BF16/AMX; 6-11% faster TGN and TGAT steps on the dev box,
+    # same AP), float32 elsewhere; "fp32" and "bf16" force one
     slot_precision: str = "auto"
 
     def __post_init__(self) -> None:

@@ -250,7 +250,7 @@ class ContinualLearner:
         self.negatives.load_state_dict(state["negatives"])
         self.replay.load_state_dict(state["replay"])
         load_generator_state(self.forget_gen, state["forget_gen"], "forgetting probe")
-        torch.set_rng_state(state["torch_rng"].to("cpu", torch.uint8))
+        torch.set_rng_state(state["torch_rng"].cpu())
         self.ingested = state["ingested"]
         self.offset = state["offset"]
         self.phase1_done = state["phase1_done"]
