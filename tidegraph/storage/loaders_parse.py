@@ -328,7 +328,7 @@ def _to_float32(
     with np.errstate(over="ignore"):
         out = values.astype(np.float32)
     over = np.isinf(out) & np.isfinite(values)
-    hit = np.flatnonzero(over.any(1)) if over.any() else np.empty(0, dtype=np.int64)
+    hit = np.flatnonzero(over.any(1))
     if hit.size:
         pos = hit if rows is None else rows[hit]
         col = over[hit].argmax(1)
