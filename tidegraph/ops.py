@@ -90,13 +90,48 @@ def slot_linear(lin: nn.Linear, x: torch.Tensor, precision: str = "fp32") -> tor
     """`x @ lin.weight.T` (no bias) in float32, or multiplied in bfloat16 and returned in
     x's dtype when `precision` is "bf16", or "auto" on a device with native bfloat16."""
     dev = x.device
-    if resolved_slot_precision(precision, dev) == "bf16":
-        flat = x.reshape(-1, x.shape[-1])
+    if resolved_slot_precision(precision, dev) != "bf16":
+        return F.linear(x, lin.weight)
+    flat = x.reshape(-1, x.shape[-1])
+    if flat.requires_grad:  # a trained time encoding: autograd through the casts
         n = flat.shape[0]
         xb = flat.to(torch.bfloat16)
         pad = (-n) % _CPU_ROW_BUCKET if dev.type == "cpu" else 0
         if pad:  # oneDNN builds a kernel per shape: row counts in buckets reuse its cache
             xb = F.pad(xb, (0, 0, 0, pad))
         out = F.linear(xb, lin.weight.to(torch.bfloat16))[:n].to(x.dtype)
-        return out.view(*x.shape[:-1], out.shape[-1])
-    return F.linear(x, lin.weight)
+    else:
+        out = _Bf16Rows.apply(flat, lin.weight)
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def _padded_bf16(x: torch.Tensor) -> torch.Tensor:
+    """x [n, d] cast to bfloat16 into a buffer whose row count is rounded up to
+    `_CPU_ROW_BUCKET` on the CPU (padding rows zero), in one pass."""
+    n = x.shape[0]
+    pad = (-n) % _CPU_ROW_BUCKET if x.device.type == "cpu" else 0
+    buf = torch.empty((n + pad, x.shape[1]), dtype=torch.bfloat16, device=x.device)
+    buf[:n].copy_(x)
+    buf[n:].zero_()
+    return buf
+
+
+class _Bf16Rows(torch.autograd.Function):
+    """`x @ w.T` multiplied in bfloat16, returned in x's dtype, for an `x` without gradient:
+    the backward is the weight gradient alone, from the saved bfloat16 rows. Each operand is
+    cast once into a row-padded buffer (no separate pad, slice and cast passes, forward or
+    backward); the products and their roundings are those of the autograd version above."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        xb = _padded_bf16(x)
+        ctx.save_for_backward(xb)
+        ctx.w_dtype = w.dtype
+        return F.linear(xb, w.to(torch.bfloat16))[: x.shape[0]].to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (xb,) = ctx.saved_tensors
+        if not ctx.needs_input_grad[1]:
+            return None, None
+        return None, (_padded_bf16(grad).t() @ xb).to(ctx.w_dtype)

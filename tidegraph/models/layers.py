@@ -10,6 +10,7 @@ gets a zero aggregate (never NaN).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tidegraph.ops import gather_rows, slot_linear
@@ -113,11 +114,13 @@ class TemporalAttention(nn.Module):
         r, k = block.mask.shape
         h, d = self.heads, self.out_dim // self.heads
         k_V, v_V = self.project(h_nbr) if kv_nbr is None else kv_nbr
-        query = self.q(h_root)
         edge = None  # [V, out]: added to both keys and values
-        if self.time_enc is not None:
-            query = query + self.q_time(self.time_enc(dt.new_zeros(1)))
+        if self.time_enc is not None:  # phi(0)'s part of the query folded into its bias
+            q_bias = self.q.bias + self.q_time(self.time_enc(dt.new_zeros(1)))[0]
+            query = F.linear(h_root, self.q.weight, q_bias)
             edge = slot_linear(self.kv_time, self.time_enc(dt), self.slot_precision)
+        else:
+            query = self.q(h_root)
         if self.kv_edge is not None and e_feat is not None:
             e = slot_linear(self.kv_edge, e_feat, self.slot_precision)
             edge = e if edge is None else edge + e

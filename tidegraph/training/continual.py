@@ -52,6 +52,7 @@ from tidegraph.training.config import RunConfig
 from tidegraph.training.data import Stream, load_stream
 from tidegraph.training.engine import LinkEngine
 from tidegraph.training.metrics import average_precision, link_metrics
+from tidegraph.training.optim import FlatAdam
 from tidegraph.training.progress import Progress
 from tidegraph.training.sampling import NegativeSampler, build_replay
 
@@ -244,7 +245,10 @@ class ContinualLearner:
         if self.edge_cache is not None:
             self.edge_cache.store.load_state_dict(state["edge_features"])
             self.edge_cache.load_state_dict(state["edge_cache"])
-        self.model.load_state_dict(state["model"])
+        params = self._param_ids()
+        self.model.load_state_dict(state["model"])  # in place, unless a node table grew
+        if params != self._param_ids():
+            self.optimizer = self.engine.optimizer = self._new_optimizer()
         self.optimizer.load_state_dict(state["optimizer"])
         self.sampler.load_state_dict(state["sampler"])
         self.negatives.load_state_dict(state["negatives"])
@@ -285,9 +289,12 @@ class ContinualLearner:
         )
 
     def _new_optimizer(self) -> torch.optim.Optimizer:
-        # fused Adam: one kernel for all parameters (CPU and CUDA)
+        # fused Adam over one flat buffer: one kernel and no per-parameter Python per step
         params = [p for p in self.model.parameters() if p.requires_grad]
-        return torch.optim.Adam(params, lr=self.config.train.lr, fused=True)
+        return FlatAdam(params, lr=self.config.train.lr)
+
+    def _param_ids(self) -> list[int]:
+        return [id(p) for p in self.model.parameters()]
 
     def ingest(self, start: int, end: int) -> None:
         if end <= self.ingested:
@@ -298,9 +305,9 @@ class ContinualLearner:
         if self.edge_cache is not None:  # rows = eids = stream positions
             self.edge_cache.append(ev.edge_feat)
         self.negatives.add(ev.dst)
-        params = [id(p) for p in self.model.parameters()]
+        params = self._param_ids()
         self.model.grow(self.graph.num_nodes)
-        if params != [id(p) for p in self.model.parameters()]:
+        if params != self._param_ids():
             # a learned node table grew into a new Parameter; Adam must track the new one
             log.info("node tables grew to %d nodes: new optimizer", self.graph.num_nodes)
             self.optimizer = self.engine.optimizer = self._new_optimizer()
