@@ -53,11 +53,12 @@ def latest_rows(keys: torch.Tensor, times: torch.Tensor) -> tuple[torch.Tensor, 
     ranked by a stable sort on time, then a scatter-amax of the rank per key (no race between
     duplicate keys)."""
     order = torch.argsort(times, stable=True)
-    rank = torch.empty_like(order)
-    rank[order] = torch.arange(order.shape[0], device=order.device)
+    rank = torch.empty_like(order).index_copy_(
+        0, order, torch.arange(order.shape[0], device=order.device)
+    )
     uniq, inv = torch.unique(keys, return_inverse=True)
     best = torch.full_like(uniq, -1).scatter_reduce(0, inv, rank, "amax")
-    return uniq, order[best]
+    return uniq, order.index_select(0, best)
 
 
 @functools.cache

@@ -86,24 +86,22 @@ class TGNMemory(nn.Module):
         sub = ids.index_select(0, rows)
         msg_t = self.msg_t.index_select(0, sub)
         own = gather_rows(mem, rows)
-        msg = torch.cat(
-            [
-                own,
-                gather_rows(self.memory, self.msg_other.index_select(0, sub)),
-                self.time_enc((msg_t - last.index_select(0, rows)).float()),
-                gather_rows(self.msg_feat, sub).to(mem.dtype),
-            ],
-            -1,
-        )
-        new = self.updater(msg, own)
+        parts = [
+            own,
+            gather_rows(self.memory, self.msg_other.index_select(0, sub)),
+            self.time_enc((msg_t - last.index_select(0, rows)).float()),
+        ]
+        if self.edge_dim:
+            parts.append(gather_rows(self.msg_feat, sub).to(mem.dtype))
+        new = self.updater(torch.cat(parts, -1), own)
         return mem.index_copy(0, rows, new), last.index_copy(0, rows, msg_t)
 
     @torch.no_grad()
     def commit(self, ids: torch.Tensor, mem: torch.Tensor, last: torch.Tensor) -> None:
         """Write back what `updated(ids)` returned; `ids` must be unique."""
-        self.memory[ids] = mem.detach().to(self.memory.dtype)
-        self.last_update[ids] = last
-        self.has_msg[ids] = False
+        self.memory.index_copy_(0, ids, mem.detach().to(self.memory.dtype))
+        self.last_update.index_copy_(0, ids, last)
+        self.has_msg.index_fill_(0, ids, False)
 
     @torch.no_grad()
     def observe(
@@ -116,11 +114,12 @@ class TGNMemory(nn.Module):
         other = torch.stack([dst, src], 1).flatten()
         times = t.to(torch.float64).repeat_interleave(2)
         uniq, row = latest_rows(node, times)
-        self.has_msg[uniq] = True
-        self.msg_other[uniq] = other[row]
-        self.msg_t[uniq] = times[row]
+        self.has_msg.index_fill_(0, uniq, True)
+        self.msg_other.index_copy_(0, uniq, other.index_select(0, row))
+        self.msg_t.index_copy_(0, uniq, times.index_select(0, row))
         if self.edge_dim and feat is not None:
-            self.msg_feat[uniq] = feat.to(self.msg_feat.dtype)[row // 2]
+            rows = gather_rows(feat.to(self.msg_feat.dtype), row // 2)
+            self.msg_feat.index_copy_(0, uniq, rows)
 
     # ---- state ----------------------------------------------------------------------------
 
