@@ -1,0 +1,99 @@
+"""FlatAdam: parameters re-homed into one buffer, same arithmetic as fused Adam."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from tidegraph.training.optim import FlatAdam
+
+
+def _net(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    # widths multiple of 16, so the fused kernel takes the same vector path for every value
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+
+
+def _train(net: nn.Module, opt: torch.optim.Optimizer, steps: int, seed: int = 1) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randn(8, 16, generator=gen)
+        opt.zero_grad(set_to_none=True)
+        net(x).pow(2).mean().backward()
+        opt.step()
+
+
+def test_same_parameters_as_fused_adam():
+    ref, flat = _net(), _net()
+    _train(ref, torch.optim.Adam(ref.parameters(), lr=1e-2, fused=True), 10)
+    _train(flat, FlatAdam(flat.parameters(), lr=1e-2), 10)
+    for a, b in zip(ref.parameters(), flat.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_parameters_and_gradients_are_views_of_the_buffers():
+    net = _net()
+    opt = FlatAdam(net.parameters(), lr=1e-2)
+    _train(net, opt, 2)
+    offset = 0
+    for p in net.parameters():
+        n = p.numel()
+        assert p.data_ptr() == opt.flat.data_ptr() + offset * p.element_size()
+        assert p.grad.data_ptr() == opt.flat_grad.data_ptr() + offset * p.element_size()
+        assert torch.equal(opt.flat.detach()[offset : offset + n], p.detach().flatten())
+        offset += n
+    opt.zero_grad(set_to_none=True)  # zeroed in place, never detached
+    assert all(p.grad is not None and not p.grad.any() for p in net.parameters())
+    assert not opt.flat_grad.any()
+
+
+def test_gradients_accumulate_into_the_buffer():
+    net = _net()
+    opt = FlatAdam(net.parameters(), lr=1e-2)
+    x = torch.randn(4, 16)
+    opt.zero_grad()
+    net(x).sum().backward()
+    once = opt.flat_grad.clone()
+    net(x).sum().backward()
+    assert torch.allclose(opt.flat_grad, 2 * once)
+
+
+def test_state_round_trips_into_a_new_optimizer():
+    a, b = _net(), _net()
+    opt_a = FlatAdam(a.parameters(), lr=1e-2)
+    _train(a, opt_a, 5)
+    b.load_state_dict(a.state_dict())
+    opt_b = FlatAdam(b.parameters(), lr=1e-2)
+    # a deep copy, as a checkpoint gives: Optimizer.load_state_dict keeps the tensors it is given
+    opt_b.load_state_dict(copy.deepcopy(opt_a.state_dict()))
+    _train(a, opt_a, 5, seed=7)
+    _train(b, opt_b, 5, seed=7)
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_unused_parameter_gets_zero_gradient_and_keeps_momentum():
+    net = _net()
+    opt = FlatAdam(net.parameters(), lr=1e-2)
+    _train(net, opt, 3)
+    first = net[0].weight.detach().clone()
+    opt.zero_grad()
+    net[2].weight.sum().backward()  # only the last layer's weight takes part
+    opt.step()
+    assert not net[0].weight.grad.any()
+    assert not torch.equal(net[0].weight, first)  # moved by its momentum
+
+
+@pytest.mark.parametrize(
+    "params, match",
+    [
+        ([], "no parameters"),
+        ([nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2).double())], "dtype"),
+    ],
+)
+def test_bad_parameters(params, match):
+    with pytest.raises(ValueError, match=match):
+        FlatAdam(params, lr=1e-3)
