@@ -18,6 +18,7 @@ multiple of 512 so that oneDNN reuses its kernels across batches).
 from __future__ import annotations
 
 import functools
+import math
 from pathlib import Path
 
 import torch
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = [
+    "bf16_cos_",
     "gather_rows",
     "latest_rows",
     "native_bf16",
@@ -38,6 +40,18 @@ SLOT_PRECISIONS = ("auto", "fp32", "bf16")
 # each new shape, and per-slot row counts change every batch ([4,386, 100] x [100, 100] with
 # varying rows: 1,670 us unpadded, 684 us padded, fp32 1,489 us on the dev box)
 _CPU_ROW_BUCKET = 512
+# cos(r) for r in [-pi, pi] as an even polynomial in r^2 of degree 5 (least squares on 4,001
+# Chebyshev nodes, float64; evaluated in float32 its error is at most 1.2e-6)
+_TWO_PI_HI = 6.2831854820251465  # 2 pi rounded to float32
+_TWO_PI_LO = 2.0 * math.pi - _TWO_PI_HI
+_COS_POLY = (
+    0.999999211,
+    -0.499994212,
+    0.0416597767,
+    -0.00138587864,
+    2.42028949e-05,
+    -2.19727546e-07,
+)
 
 
 def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -59,6 +73,23 @@ def latest_rows(keys: torch.Tensor, times: torch.Tensor) -> tuple[torch.Tensor, 
     uniq, inv = torch.unique(keys, return_inverse=True)
     best = torch.full_like(uniq, -1).scatter_reduce(0, inv, rank, "amax")
     return uniq, order.index_select(0, best)
+
+
+def bf16_cos_(x: torch.Tensor) -> torch.Tensor:
+    """cos(x) to within bfloat16's resolution, overwriting `x` (no autograd): x reduced modulo
+    2 pi by a two-constant (Cody-Waite) subtraction, then `_COS_POLY`. On the CPU this is 1.5-3x
+    faster than `torch.cos`, whose accurate (Sleef u10) path slows down for arguments beyond
+    125 and again beyond 39,000, which time differences in seconds times the unit frequency
+    reach. Error against `torch.cos(x)`: 2e-6 for |x| < 1e6 where the device rounds the
+    reduction's multiply-add once (the dev box's CPU does; elsewhere up to ~|x| * 6e-8). For
+    inputs that only a bfloat16 product consumes (per-slot time encodings on the CPU)."""
+    n = torch.mul(x, 1.0 / (2.0 * math.pi)).round_()
+    r = torch.add(x, n, alpha=-_TWO_PI_HI).add_(n, alpha=-_TWO_PI_LO)
+    r2 = r.mul_(r)
+    acc = torch.mul(r2, _COS_POLY[-1], out=x)
+    for c in reversed(_COS_POLY[1:-1]):
+        acc.add_(c).mul_(r2)
+    return acc.add_(_COS_POLY[0])
 
 
 @functools.cache

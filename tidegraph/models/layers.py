@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tidegraph.ops import gather_rows, slot_linear
+from tidegraph.ops import gather_rows, resolved_slot_precision, slot_linear
 from tidegraph.sampling.block import Block
 
 __all__ = [
@@ -118,7 +118,9 @@ class TemporalAttention(nn.Module):
         if self.time_enc is not None:  # phi(0)'s part of the query folded into its bias
             q_bias = self.q.bias + self.q_time(self.time_enc(dt.new_zeros(1)))[0]
             query = F.linear(h_root, self.q.weight, q_bias)
-            edge = slot_linear(self.kv_time, self.time_enc(dt), self.slot_precision)
+            bf16 = resolved_slot_precision(self.slot_precision, dt.device) == "bf16"
+            phi = self.time_enc(dt, bf16_consumer=bf16)
+            edge = slot_linear(self.kv_time, phi, self.slot_precision)
         else:
             query = self.q(h_root)
         if self.kv_edge is not None and e_feat is not None:

@@ -1,0 +1,59 @@
+"""Hot-path helpers: the bfloat16-resolution cosine and the bf16 slot products."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from tidegraph.models.time_encoding import TimeEncoder
+from tidegraph.ops import bf16_cos_, slot_linear
+
+
+def test_bf16_cos_is_accurate_to_bfloat16_resolution():
+    r = torch.linspace(-math.pi, math.pi, 100_001)
+    err = (bf16_cos_(r.clone()).double() - torch.cos(r.double())).abs().max()
+    assert err < 2e-6
+    # bf16 steps by 2^-8; the reduction modulo 2 pi stays inside that (2e-6 where the device
+    # rounds its multiply-add once, as this CPU does; up to |x| * 6e-8 where it does not)
+    x = torch.linspace(-1e4, 1e4, 1_000_001)
+    assert (bf16_cos_(x.clone()) - torch.cos(x)).abs().max() < 2.5e-3
+
+
+def test_bf16_cos_overwrites_its_input_and_keeps_nan():
+    x = torch.tensor([0.0, math.pi, 1e4, math.inf, math.nan])
+    out = bf16_cos_(x)
+    assert out.data_ptr() == x.data_ptr()
+    torch.testing.assert_close(
+        out[:3], torch.cos(torch.tensor([0.0, math.pi, 1e4])), atol=1e-3, rtol=0
+    )
+    assert out[3:].isnan().all()
+
+
+def test_time_encoder_takes_the_fast_cosine_only_without_autograd():
+    dt = torch.rand(64) * 1e4
+    fixed = TimeEncoder(16).requires_grad_(False)
+    exact, fast = fixed(dt), fixed(dt, bf16_consumer=True)
+    assert not torch.equal(exact, fast)
+    torch.testing.assert_close(fast, exact, atol=2.5e-3, rtol=0)
+    trained = TimeEncoder(16)  # trainable frequencies: the result needs a gradient
+    assert torch.equal(trained(dt, bf16_consumer=True), trained(dt))
+
+
+@pytest.mark.parametrize("rows", [0, 1, 777, 4380])
+def test_bf16_rows_without_input_gradient_equal_the_autograd_path(rows):
+    torch.manual_seed(rows)
+    lin = nn.Linear(100, 60, bias=False)
+    x = torch.randn(rows, 100)
+    g = torch.randn(rows, 60)
+    out = {}
+    for name, inp in (("function", x), ("autograd", x.clone().requires_grad_())):
+        lin.weight.grad = None
+        y = slot_linear(lin, inp, "bf16")
+        y.backward(g)
+        out[name] = (y.detach(), lin.weight.grad.clone())
+    assert out["function"][0].dtype == torch.float32
+    assert torch.equal(out["function"][0], out["autograd"][0])
+    assert torch.equal(out["function"][1], out["autograd"][1])
