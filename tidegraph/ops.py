@@ -12,7 +12,13 @@ device multiplies bfloat16 natively (`native_bf16`): the per-neighbour-slot proj
 attention layers are the largest matrix products of a step (on CollegeMsg, TGN: [4,386, 100] x
 [100, 100] forward and its weight gradient, 3.1 of 15 ms), and on the dev box's AVX512-BF16 core
 a bfloat16 product of that shape takes 684 us against 1,489 us in float32 (rows padded to a
-multiple of 512 so that oneDNN reuses its kernels across batches).
+multiple of 512 so that oneDNN reuses its kernels across batches). An input without gradient
+(fixed time encodings, stored edge features) goes through one autograd function that casts each
+operand once into a padded buffer and computes only the weight gradient.
+
+`bf16_cos_(x)` is the cosine those bfloat16 products need, 2e-6 from `torch.cos` and ~2x faster
+on the CPU for the large arguments of time encodings (in the training loop: 622 against 956 us
+per batch's slot encodings on CollegeMsg).
 """
 
 from __future__ import annotations

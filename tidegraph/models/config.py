@@ -41,7 +41,8 @@ class ModelConfig:
     # precision of the attention layers' per-neighbour-slot time and edge projections, their
     # largest matrix products: "auto" multiplies them in bfloat16 on devices that do so natively
     # (CUDA Ampere+, CPUs with AVX512-BF16/AMX; 6-11% faster TGN and TGAT steps on the dev box,
-    # same AP), float32 elsewhere; "fp32" and "bf16" force one
+    # same AP), float32 elsewhere; "fp32" and "bf16" force one. With bf16 on the CPU the time
+    # encodings feeding them use a cosine accurate to bf16 (`tidegraph.ops.bf16_cos_`)
     slot_precision: str = "auto"
 
     def __post_init__(self) -> None:
