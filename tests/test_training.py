@@ -142,6 +142,31 @@ def test_a_file_without_valid_events_is_a_config_error(tmp_path):
         load_stream(str(path))
 
 
+def test_optimizer_steps_the_live_parameters_also_when_rebuilt(wiki):
+    """FlatAdam re-homes the parameters into its buffer; a fresh optimizer per increment and a
+    checkpoint load must leave the model's own parameters the ones that train."""
+    cfg = small_config(continual={"fresh_optimizer": True, "num_increments": 2})
+    learner = ContinualLearner(cfg, wiki)
+    learner.run_phase1()
+    for _ in range(2):
+        before = [p.detach().clone() for p in learner.model.parameters() if p.requires_grad]
+        learner.step()
+        opt = learner.engine.optimizer
+        assert opt is learner.optimizer
+        live = [p for p in learner.model.parameters() if p.requires_grad]
+        flat = opt.flat.untyped_storage().data_ptr()
+        assert all(p.untyped_storage().data_ptr() == flat for p in live)
+        assert any(not torch.equal(a, b) for a, b in zip(before, live, strict=True))
+    other = ContinualLearner(cfg, wiki)
+    other.load_state_dict(learner.state_dict())
+    flat = other.optimizer.flat.untyped_storage().data_ptr()
+    assert all(
+        p.untyped_storage().data_ptr() == flat for p in other.model.parameters() if p.requires_grad
+    )
+    for a, b in zip(learner.model.parameters(), other.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
 def test_offline_split_learns(wiki):
     out = run_offline(small_config(mode="offline", train={"epochs": 2}), wiki)
     assert out["test"]["ap"] > 0.6 and 0 < out["test"]["mrr"] <= 1
