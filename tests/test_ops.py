@@ -43,11 +43,11 @@ def test_time_encoder_takes_the_fast_cosine_only_without_autograd():
 
 
 @pytest.mark.parametrize("rows", [0, 1, 777, 4380])
-def test_bf16_rows_without_input_gradient_equal_the_autograd_path(rows):
+def test_bf16_rows_without_input_gradient_equal_the_autograd_path(rows, device):
     torch.manual_seed(rows)
-    lin = nn.Linear(100, 60, bias=False)
-    x = torch.randn(rows, 100)
-    g = torch.randn(rows, 60)
+    lin = nn.Linear(100, 60, bias=False).to(device)
+    x = torch.randn(rows, 100, device=device)
+    g = torch.randn(rows, 60, device=device)
     out = {}
     for name, inp in (("function", x), ("autograd", x.clone().requires_grad_())):
         lin.weight.grad = None
