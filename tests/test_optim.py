@@ -98,3 +98,13 @@ def test_unused_parameter_gets_zero_gradient_and_keeps_momentum():
 def test_bad_parameters(params, match):
     with pytest.raises(ValueError, match=match):
         FlatAdam(params, lr=1e-3)
+
+
+def test_loading_moments_of_another_size_names_both():
+    a = _net()
+    opt_a = FlatAdam(a.parameters(), lr=1e-2)
+    _train(a, opt_a, 1)
+    other = nn.Linear(16, 8)
+    opt_b = FlatAdam(other.parameters(), lr=1e-2)
+    with pytest.raises(ValueError, match="exp_avg.* 1072 values.* 136"):
+        opt_b.load_state_dict(copy.deepcopy(opt_a.state_dict()))

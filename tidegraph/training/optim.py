@@ -54,6 +54,18 @@ class FlatAdam(torch.optim.Adam):
         kwargs.setdefault("fused", True)
         super().__init__([self.flat], lr=lr, **kwargs)
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Adam's, after checking that the saved moments cover this buffer (Adam itself would
+        only fail at the next step, inside the fused kernel)."""
+        total = self.flat.numel()
+        for key, value in state_dict.get("state", {}).get(0, {}).items():
+            if key != "step" and torch.is_tensor(value) and value.numel() != total:
+                raise ValueError(
+                    f"FlatAdam.load_state_dict: saved {key!r} has {value.numel()} values, this "
+                    f"optimizer's parameters have {total} (a different model or layout)"
+                )
+        super().load_state_dict(state_dict)
+
     @property
     def flat_grad(self) -> torch.Tensor:
         return self.flat.grad
