@@ -132,12 +132,8 @@ def slot_linear(lin: nn.Linear, x: torch.Tensor, precision: str = "fp32") -> tor
         return F.linear(x, lin.weight)
     flat = x.reshape(-1, x.shape[-1])
     if flat.requires_grad:  # a trained time encoding: autograd through the casts
-        n = flat.shape[0]
-        xb = flat.to(torch.bfloat16)
-        pad = (-n) % _CPU_ROW_BUCKET if dev.type == "cpu" else 0
-        if pad:  # oneDNN builds a kernel per shape: row counts in buckets reuse its cache
-            xb = F.pad(xb, (0, 0, 0, pad))
-        out = F.linear(xb, lin.weight.to(torch.bfloat16))[:n].to(x.dtype)
+        wb = lin.weight.to(torch.bfloat16)
+        out = F.linear(_padded_bf16(flat), wb)[: flat.shape[0]].to(x.dtype)
     else:
         out = _Bf16Rows.apply(flat, lin.weight)
     return out.view(*x.shape[:-1], out.shape[-1])
@@ -145,7 +141,8 @@ def slot_linear(lin: nn.Linear, x: torch.Tensor, precision: str = "fp32") -> tor
 
 def _padded_bf16(x: torch.Tensor) -> torch.Tensor:
     """x [n, d] cast to bfloat16 into a buffer whose row count is rounded up to
-    `_CPU_ROW_BUCKET` on the CPU (padding rows zero), in one pass."""
+    `_CPU_ROW_BUCKET` on the CPU (padding rows zero), in one pass: oneDNN builds a kernel per
+    shape, and row counts in buckets reuse its cache. Differentiable (the copy records x)."""
     n = x.shape[0]
     pad = (-n) % _CPU_ROW_BUCKET if x.device.type == "cpu" else 0
     buf = torch.empty((n + pad, x.shape[1]), dtype=torch.bfloat16, device=x.device)
