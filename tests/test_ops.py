@@ -49,7 +49,8 @@ def test_bf16_rows_without_input_gradient_equal_the_autograd_path(rows, device):
     x = torch.randn(rows, 100, device=device)
     g = torch.randn(rows, 60, device=device)
     out = {}
-    for name, inp in (("function", x), ("autograd", x.clone().requires_grad_())):
+    trained = x.clone().requires_grad_()  # as a trained time encoding gives
+    for name, inp in (("function", x), ("autograd", trained)):
         lin.weight.grad = None
         y = slot_linear(lin, inp, "bf16")
         y.backward(g)
@@ -57,3 +58,7 @@ def test_bf16_rows_without_input_gradient_equal_the_autograd_path(rows, device):
     assert out["function"][0].dtype == torch.float32
     assert torch.equal(out["function"][0], out["autograd"][0])
     assert torch.equal(out["function"][1], out["autograd"][1])
+    # the input gradient reaches the trained input, in its dtype, as a bf16 product
+    expected = (g.bfloat16() @ lin.weight.detach().bfloat16()).float()
+    assert trained.grad.dtype == torch.float32
+    torch.testing.assert_close(trained.grad, expected, atol=0.05, rtol=0.02)
