@@ -1,0 +1,84 @@
+"""A short continual run per model, reduced to hashes of its final state and its metrics.
+
+`python tests/reference_run.py record` wrote `tests/data/learner_reference.json` with the
+single-process learner as it was before the learner split into shards, trainers and a schedule
+(commit ee2f68a); `test_split.py` checks that the split reproduces it bitwise at P = W = 1.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+REFERENCE = Path(__file__).parent / "data" / "learner_reference.json"
+MODELS = ("tgn", "tgat", "jodie", "apan")
+FEATURE_MODELS = ("tgn", "apan")  # also run on a copy of the stream with edge features
+
+
+def feature_file(directory: Path) -> Path:
+    """The reference stream as a JODIE CSV with 4 edge features computed from each row."""
+    from tidegraph.training.data import load_stream
+
+    ev = load_stream("wikipedia", 1500).events
+    k = torch.arange(1, 5, dtype=torch.float64)
+    feat = torch.sin(ev.t.unsqueeze(1) / (1000.0 * k) + ev.src.unsqueeze(1).double())
+    path = directory / "wiki_feat.csv"
+    rows = ["user_id,item_id,timestamp,state_label,f0,f1,f2,f3"]
+    cols = (ev.src.tolist(), ev.dst.tolist(), ev.t.tolist(), feat.tolist())
+    for s, d, t, f in zip(*cols, strict=True):
+        rows.append(f"{s},{d},{t!r},0," + ",".join(f"{x:.6f}" for x in f))
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+def reference_config(model: str, dataset: str = "wikipedia") -> dict:
+    return {
+        "model": {"name": model, "dim": 16, "time_dim": 8, "memory_dim": 16},
+        "data": {"max_events": 1500, "dataset": dataset},
+        "train": {"batch_size": 100, "epochs": 1, "eval_negatives": 3},
+        "continual": {"num_increments": 2, "forget_sample": 100, "train_fraction": 0.6},
+        "progress": False,
+        "out_dir": None,
+        "seed": 7,
+    }
+
+
+def tensor_hash(x: torch.Tensor) -> str:
+    x = x.detach().cpu().contiguous()
+    return hashlib.sha256(x.view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
+
+
+def digest(model_state: dict, history: list[dict]) -> dict:
+    """Hash per state tensor, and the metric values (exact floats via repr)."""
+    keys = ("ap", "auc", "mrr", "old_ap", "loss", "val_ap", "replayed")
+    return {
+        "state": {k: tensor_hash(v) for k, v in sorted(model_state.items())},
+        "metrics": [{k: repr(r[k]) for k in keys if k in r} for r in history],
+    }
+
+
+def run_learner(model: str, dataset: str = "wikipedia") -> dict:
+    from tidegraph.training import ContinualLearner, RunConfig
+
+    torch.set_num_threads(1)
+    learner = ContinualLearner(RunConfig.from_dict(reference_config(model, dataset)))
+    learner.run()
+    return digest(learner.model.state_dict(), learner.history)
+
+
+def run_all(directory: Path) -> dict:
+    out = {m: run_learner(m) for m in MODELS}
+    path = str(feature_file(directory))
+    out.update({f"{m}+features": run_learner(m, path) for m in FEATURE_MODELS})
+    return out
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["record"]:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        REFERENCE.write_text(json.dumps(run_all(Path(tmp)), indent=1) + "\n")
