@@ -1,4 +1,10 @@
-"""Restoring random generators from saved states, wherever the state tensor was loaded.
+"""Named seed streams, and restoring random generators from saved states.
+
+`seed_for(seed, name)` gives each consumer of randomness its own stream of a run's seed, so no
+component derives seeds by arithmetic of its own and adding a stream never shifts another. The
+streams that existed before names did keep their values (seed + 0 ... seed + 5), so runs
+recorded then reproduce; new streams get offsets from a hash of their name.
+
 
 A checkpoint loaded with `map_location="cuda"` holds generator states as CUDA tensors, which
 `Generator.set_state` refuses; and a state saved by a generator of another device type (a CPU
@@ -16,12 +22,29 @@ import logging
 
 import torch
 
-__all__ = ["load_generator_state"]
+__all__ = ["STREAMS", "load_generator_state", "seed_for", "stream"]
 
 log = logging.getLogger(__name__)
 
 
 _STATE_BYTES = {"cpu": 5056, "cuda": 16}  # Philox (CUDA): seed and offset
+
+# model init, sampler draws, negatives, replay choice, forgetting probes, feature rounding
+STREAMS = {"model": 0, "sampler": 1, "negatives": 2, "replay": 3, "forgetting": 4, "features": 5}
+
+
+def seed_for(seed: int, name: str, index: int = 0) -> int:
+    """The seed of stream `name` (the `index`-th of its kind, e.g. a shard's) of run `seed`."""
+    if name in STREAMS:
+        base = STREAMS[name]
+    else:
+        base = 1 + int.from_bytes(hashlib.sha256(name.encode()).digest()[:4], "little")
+    return int(seed) + base + (index << 32)
+
+
+def stream(seed: int, name: str, index: int = 0, device: str = "cpu") -> torch.Generator:
+    """A generator seeded for stream `name` of run `seed`."""
+    return torch.Generator(device=device).manual_seed(seed_for(seed, name, index))
 
 
 def load_generator_state(gen: torch.Generator, state: torch.Tensor, what: str) -> None:

@@ -1,12 +1,21 @@
-"""Process-level settings for the processes that train (the job's driver, later its actors).
+"""Process-level settings for the processes that train (the job's driver and its actors).
+
+`set_determinism(seed, rank)` is the one place that sets process-wide switches: deterministic
+kernels, torch's global seed and the thread count. Entry points (the job, each actor) call it;
+constructors never do. Kernels: the backward of row gathers and `index_add` accumulate in
+parallel (CPU threads or CUDA atomics) in a nondeterministic order, so deterministic mode calls
+`torch.use_deterministic_algorithms(True, warn_only=True)` (without its NaN fill of new tensors,
+`torch.utils.deterministic.fill_uninitialized_memory`: nothing here reads memory it did not
+write, and the fill is an extra pass over each allocation). On CPU two runs with the same seed
+and thread count are then bitwise identical; on CUDA that also needs
+`CUBLAS_WORKSPACE_CONFIG=:4096:8`, and ops without a deterministic kernel only warn.
 
 `tune_host_allocator` keeps freed host memory for reuse. glibc serves every allocation above its
 mmap threshold (128 KiB at start, adapting upwards only as such blocks are freed) with a fresh
 `mmap` and returns free memory at the top of its heap to the OS eagerly, so a training step,
 which allocates and frees many tensors of 0.1-10 MB, faults the same pages in again batch after
-batch. On the dev box 24% of the default job's time was kernel time spent so (88.6 s wall, 21.5
-s system); with the thresholds raised it ran in 67.6 s with 0.6 s system time. Freed memory up
-to `trim_threshold` stays in the process.
+batch, in kernel time (measured in benchmarks/RESULTS.md). Freed memory up to
+`trim_threshold` stays in the process.
 """
 
 from __future__ import annotations
@@ -15,7 +24,9 @@ import ctypes
 import logging
 import sys
 
-__all__ = ["tune_host_allocator"]
+import torch
+
+__all__ = ["set_determinism", "tune_host_allocator"]
 
 log = logging.getLogger(__name__)
 
@@ -36,3 +47,16 @@ def tune_host_allocator(mmap_threshold: int = 256 << 20, trim_threshold: int = 1
     ok = mallopt(_M_TRIM_THRESHOLD, trim_threshold) == 1 and ok
     log.debug("host allocator thresholds %s", "raised" if ok else "unchanged")
     return ok
+
+
+def set_determinism(
+    seed: int, rank: int = 0, deterministic: bool = True, threads: int | None = None
+) -> None:
+    """Deterministic kernels (or not), torch's global seed for this rank, CPU threads."""
+    torch.use_deterministic_algorithms(deterministic, warn_only=True)
+    if deterministic:
+        torch.utils.deterministic.fill_uninitialized_memory = False
+    torch.manual_seed(int(seed) + int(rank))
+    if threads:
+        torch.set_num_threads(threads)
+    log.debug("determinism %s, seed %d rank %d, threads %s", deterministic, seed, rank, threads)

@@ -103,10 +103,19 @@ class APAN(TemporalModel):
 
     # ---- node state -------------------------------------------------------------------------
 
-    @torch.no_grad()
     def commit(self, events: EventBatch | None) -> None:
         if events is None or not len(events) or not self._queue:
-            return
+            return  # evaluation chunks queue their rows until the events are recorded
+        super().commit(events)
+
+    @torch.no_grad()
+    def take_updates(self, events: EventBatch | None) -> dict | None:
+        """The new memories of the events' endpoints and the mails to deliver, by kind (to
+        the events' sources, destinations, and the sources' and destinations' sampled
+        neighbours), so that slices concatenate kind by kind into one batch's order."""
+        if events is None or not len(events) or not self._queue:
+            self._queue.clear()
+            return None
         n = len(events)
         z_src = torch.cat([z[:b] for b, z, _ in self._queue])[:n]
         z_dst = torch.cat([z[b:] for b, z, _ in self._queue])[:n]
@@ -116,16 +125,30 @@ class APAN(TemporalModel):
         ok_dst = torch.cat([blk.mask[b : 2 * b] for b, _, blk in self._queue])[:n]
         self._queue.clear()
         t = events.t.to(torch.float64)
-        self._set_memory(torch.cat([events.src, events.dst]), torch.cat([z_src, z_dst]), t)
-        e = edge_features(self.edge_store, self.edge_dim, events.eid, z_src)
+        e = edge_features(events.edge_feat, self.edge_dim, z_src)
         parts = [z_src, z_dst] + ([e] if e is not None else [])
         mail_u = torch.cat(parts, -1)
         mail_v = torch.cat([z_dst, z_src] + parts[2:], -1)
         # neighbours (row-major, like nbr[ok]) get the mail of their row's event
         u_rows, v_rows = ok.nonzero()[:, 0], ok_dst.nonzero()[:, 0]
-        targets = torch.cat([events.src, events.dst, nbr[ok], nbr_dst[ok_dst]])
-        mails = torch.cat([mail_u, mail_v, mail_u[u_rows], mail_v[v_rows]])
-        times = torch.cat([t, t, t[u_rows], t[v_rows]])
+        return {
+            "src": events.src, "dst": events.dst, "t": t, "z_src": z_src, "z_dst": z_dst,
+            "mail_u": mail_u, "mail_v": mail_v, "nbr_u": nbr[ok], "nbr_v": nbr_dst[ok_dst],
+            "nbr_mail_u": mail_u[u_rows], "nbr_mail_v": mail_v[v_rows],
+            "nbr_t_u": t[u_rows], "nbr_t_v": t[v_rows],
+        }  # fmt: skip
+
+    @torch.no_grad()
+    def apply_updates(self, updates: list[dict | None]) -> None:
+        updates = [u for u in updates if u is not None]
+        if not updates:
+            return
+        cat = lambda key: torch.cat([u[key] for u in updates])  # noqa: E731
+        src, dst, t = cat("src"), cat("dst"), cat("t")
+        self._set_memory(torch.cat([src, dst]), torch.cat([cat("z_src"), cat("z_dst")]), t)
+        targets = torch.cat([src, dst, cat("nbr_u"), cat("nbr_v")])
+        mails = torch.cat([cat("mail_u"), cat("mail_v"), cat("nbr_mail_u"), cat("nbr_mail_v")])
+        times = torch.cat([t, t, cat("nbr_t_u"), cat("nbr_t_v")])
         self._deliver(targets, mails, times)
 
     def _set_memory(self, nodes: torch.Tensor, z: torch.Tensor, t: torch.Tensor) -> None:

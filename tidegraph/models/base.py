@@ -1,11 +1,19 @@
 """The interface every temporal link-prediction model implements, and the link predictor.
 
 A model embeds roots (ids at times) from the sampler's blocks and scores (src, dst) pairs with
-an MLP over the pair of embeddings. Models with node state (TGN memory) keep it in buffers and
-expose the batch protocol used by the trainer: after `score` on a batch, `commit(events)` folds
-the state computed in that forward pass back and records `events` (None for replayed or
-evaluation-only batches whose events must not enter the state); `reset_state`, `node_state` and
-`load_node_state` snapshot and restore it. Stateless models inherit no-op versions.
+an MLP over the pair of embeddings. It reads no store: edge features arrive fetched, in
+`Block.edge_feat` for sampled edges and in `EventBatch.edge_feat` for recorded events.
+
+Models with node state (TGN memory) keep it in buffers and expose the step protocol of the
+trainers (DESIGN.md, "Distributed semantics"). Every forward pass of a global step reads the
+state as the previous step left it; afterwards each data-parallel replica hands over what its
+passes change with `take_updates(events)` (detached tensors, `events` the ones to record: None
+for replayed or evaluation-only batches), and every replica applies the updates of all slices
+of the step, in slice order, with `apply_updates`. Merging per node keeps the latest event's
+update (ties: the later row), so W slices give what one batch gives. `commit(events)` is both
+at once for one replica; `fold()` folds a pass's state into this replica between evaluation
+chunks of one step (values any replica computes alike from the same state); `reset_state`,
+`node_state` and `load_node_state` snapshot and restore it. Stateless models inherit no-ops.
 """
 
 from __future__ import annotations
@@ -57,7 +65,6 @@ class TemporalModel(nn.Module):
         super().__init__()
         self.dim = dim
         self.predictor = LinkPredictor(dim)
-        self.edge_store = None  # any object with get(eids) -> [n, edge_dim]; not a parameter
 
     def embed(self, ids: torch.Tensor, ts: torch.Tensor, blocks: list) -> torch.Tensor:
         raise NotImplementedError
@@ -87,6 +94,19 @@ class TemporalModel(nn.Module):
 
     def commit(self, events: EventBatch | None) -> None:
         """Fold the last forward pass's state in and record `events` (None: record none)."""
+        self.apply_updates([self.take_updates(events)])
+
+    def fold(self) -> None:
+        """Between evaluation chunks of one step: fold the last pass's state into this
+        replica now; it stays part of what `take_updates` returns."""
+
+    def take_updates(self, events: EventBatch | None) -> dict | None:
+        """This replica's node-state updates since the last call (detached), with `events`
+        (carrying fetched `edge_feat` when the model reads edge features) to record."""
+        return None
+
+    def apply_updates(self, updates: list[dict | None]) -> None:
+        """Apply the updates of every slice of one step, given in slice order."""
 
     def discard(self) -> None:
         """Drop the last forward pass's state without folding it in (evaluation-only passes)."""

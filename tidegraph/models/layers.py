@@ -157,11 +157,12 @@ class MeanAggregator(nn.Module):
         return self.lin(torch.cat([h_root, slots.sum(1) / count], -1))
 
 
-def edge_features(store, edge_dim: int, eids: torch.Tensor, like: torch.Tensor):
-    """[n, edge_dim] features of valid `eids` (all >= 0); None when there are none."""
-    if edge_dim == 0 or store is None:
+def edge_features(rows: torch.Tensor | None, edge_dim: int, like: torch.Tensor):
+    """Fetched edge-feature `rows` [n, edge_dim] as `like`'s device and dtype; None when the
+    model takes none (`edge_dim` 0) or none were fetched (a stream without features)."""
+    if edge_dim == 0 or rows is None:
         return None
-    return store.get(eids).to(like.device, like.dtype)
+    return rows.to(like.device, like.dtype)
 
 
 def project_distinct(

@@ -46,7 +46,7 @@ class TGAT(TemporalModel):
 
     def embed(self, ids: torch.Tensor, ts: torch.Tensor, blocks: list) -> torch.Tensor:
         def layer(i, block, h_root, h_nbr):
-            e = edge_features(self.edge_store, self.edge_dim, block.valid(block.nbr_eids), h_root)
+            e = edge_features(block.edge_feat, self.edge_dim, h_root)
             kv_nbr = None
             if i == 0:
                 nbr = block.valid(block.nbr_ids)

@@ -30,31 +30,55 @@ class MemoryModel(TemporalModel):
 
     def __init__(self, dim: int) -> None:
         super().__init__(dim)
-        self._stash = None
+        self._stash = None  # (ids, memory, last update) of the last forward pass
+        self._folded: list[tuple] = []  # stashes already folded into this replica (`fold`)
 
     def grow(self, num_nodes: int) -> None:
         self.memory.grow(num_nodes)
 
-    def commit(self, events: EventBatch | None) -> None:
+    def fold(self) -> None:
         if self._stash is not None:
             self.memory.commit(*self._stash)
+            self._folded.append(self._stash)
             self._stash = None
+
+    def take_updates(self, events: EventBatch | None) -> dict:
+        """{"rows": [(ids, memory, last update)] per forward pass, "events": (src, dst, t,
+        feat)}: the rows are the same function of the previous state in every slice that
+        touches a node, the events become the nodes' pending messages."""
+        stashes = self._folded + ([self._stash] if self._stash is not None else [])
+        self._folded, self._stash = [], None
+        out = {"rows": [(ids, mem.detach(), last) for ids, mem, last in stashes]}
         if events is not None and len(events):
-            feat = edge_features(self.edge_store, self.edge_dim, events.eid, self.memory.memory)
-            self.memory.observe(events.src, events.dst, events.t, feat)
+            feat = edge_features(events.edge_feat, self.edge_dim, self.memory.memory)
+            out["events"] = (events.src, events.dst, events.t, feat)
+        return out
+
+    def apply_updates(self, updates: list[dict | None]) -> None:
+        updates = [u for u in updates if u is not None]
+        for u in updates:
+            for ids, mem, last in u["rows"]:
+                self.memory.commit(ids, mem, last)
+        events = [u["events"] for u in updates if "events" in u]
+        if not events:
+            return
+        src, dst, t = (torch.cat([e[i] for e in events]) for i in range(3))
+        feat = None if events[0][3] is None else torch.cat([e[3] for e in events])
+        self.memory.observe(src, dst, t, feat)
 
     def discard(self) -> None:
         self._stash = None
+        self._folded = []
 
     def reset_state(self) -> None:
-        self._stash = None
+        self.discard()
         self.memory.reset()
 
     def node_state(self) -> dict:
         return self.memory.state_tensors()
 
     def load_node_state(self, state: dict) -> None:
-        self._stash = None
+        self.discard()
         self.memory.load_state_tensors(state)
 
 
@@ -95,7 +119,7 @@ class TGN(MemoryModel):
             return gather_rows(mem, pos)
 
         def layer(i, block, h_root, h_nbr):
-            e = edge_features(self.edge_store, self.edge_dim, block.valid(block.nbr_eids), h_root)
+            e = edge_features(block.edge_feat, self.edge_dim, h_root)
             kv_nbr = None
             if i == 0:  # project each distinct node's memory once, then gather per slot
                 kv_nbr = tuple(gather_rows(x, nbr_pos) for x in self.layers[0].project(mem))

@@ -4,6 +4,9 @@ Invalid slots (a root with fewer visible neighbours than the fanout) have `mask`
 `nbr_ids` and `nbr_eids` -1, `nbr_ts` equal to the root's time and `dt` 0; consumers must
 select or zero them through `mask`, never index with them unmasked.
 
+Samplers return ids only; a fetch stage fills `edge_feat` with the rows of the valid slots'
+edges before the model runs, so models never read a store.
+
 The next hop's roots are this hop's roots followed by its valid neighbours (`next_roots`). A
 sampler that deduplicates them sets `next_index`: row i of that list is row `next_index[i]` of
 the next block, whose roots are the distinct (node, time) pairs.
@@ -31,6 +34,9 @@ class Block:
     dt: torch.Tensor  # float32 [R, K] = dst_ts - nbr_ts
     mask: torch.Tensor  # bool [R, K]
     next_index: torch.Tensor | None = None  # int64 [R + V]: next_roots() row -> next block row
+    # features of the valid slots' edges [V, De], joined by a fetch stage after sampling
+    # (`tidegraph.training.fetch`); None when the stream has no edge features
+    edge_feat: torch.Tensor | None = None
 
     @property
     def num_roots(self) -> int:

@@ -32,6 +32,7 @@ import torch
 from tidegraph.ops import gather_rows
 from tidegraph.rng import load_generator_state
 from tidegraph.sampling.block import Block
+from tidegraph.sampling.multihop import sample_hops
 from tidegraph.storage.graph import DynamicGraph
 from tidegraph.storage.segment import Segment
 
@@ -89,14 +90,10 @@ class TemporalSampler:
     def sample(self, roots: torch.Tensor, ts: torch.Tensor) -> list[Block] | list[list[Block]]:
         """Blocks for hops 1..L; with snapshots, one list of blocks per window, newest first."""
         self._check_roots(roots, ts)
-        ts = ts.to(torch.float64)
-        if self.num_snapshots == 1 and self.snapshot_window == 0.0:
-            return self._sample_hops(roots, ts, None)
-        w = self.snapshot_window
-        return [
-            self._sample_hops(roots, ts - i * w, ts - (i + 1) * w)
-            for i in range(self.num_snapshots)
-        ]
+        return sample_hops(
+            self.sample_hop, roots, ts, self.fanouts, self.num_snapshots, self.snapshot_window,
+            self.dedup,
+        )  # fmt: skip
 
     def state_dict(self) -> dict:
         return {"generator": self.generator.get_state()}
@@ -105,21 +102,6 @@ class TemporalSampler:
         load_generator_state(self.generator, state["generator"], "sampler")
 
     # ---- hops -----------------------------------------------------------------------------
-
-    def _sample_hops(
-        self, roots: torch.Tensor, t_hi: torch.Tensor, t_lo: torch.Tensor | None
-    ) -> list[Block]:
-        blocks = []
-        for hop, k in enumerate(self.fanouts):
-            block = self.sample_hop(roots, t_hi, k, t_lo)
-            blocks.append(block)
-            if hop + 1 < len(self.fanouts):
-                roots, t_hi = block.next_roots()
-                if t_lo is not None:
-                    t_lo = torch.cat([t_lo, t_lo.index_select(0, block.valid_rows)])
-                if self.dedup:
-                    roots, t_hi, t_lo, block.next_index = _distinct_roots(roots, t_hi, t_lo)
-        return blocks
 
     def sample_hop(
         self,
@@ -189,27 +171,6 @@ class TemporalSampler:
                     f"TemporalSampler.sample: root {row} has negative id {int(roots[row])}"
                 )
             raise ValueError(f"TemporalSampler.sample: root {row} has time NaN")
-
-
-def _distinct_roots(
-    roots: torch.Tensor, t_hi: torch.Tensor, t_lo: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """Distinct (root, t_hi, t_lo) rows, ordered by root, and each input row's index among
-    them: stable sorts by the least significant key first, then a new group at each change."""
-    keys = [roots, t_hi] + ([t_lo] if t_lo is not None else [])
-    order = torch.arange(roots.shape[0], device=roots.device)
-    for key in reversed(keys):
-        order = order.index_select(0, torch.argsort(key.index_select(0, order), stable=True))
-    sorted_keys = [key.index_select(0, order) for key in keys]
-    new = torch.zeros_like(roots, dtype=torch.bool)
-    new[:1] = True
-    for key in sorted_keys:
-        new[1:] |= key[1:] != key[:-1]
-    group = torch.cumsum(new, 0) - 1
-    inverse = torch.empty_like(group).index_put_((order,), group)
-    first = new.nonzero().squeeze(1)
-    out = [key.index_select(0, first) for key in sorted_keys]
-    return out[0], out[1], out[2] if t_lo is not None else None, inverse
 
 
 def _visible_ranges(

@@ -17,6 +17,7 @@ from tidegraph.storage.features import PRECISIONS
 from tidegraph.storage.loaders_config import FORMATS
 
 __all__ = [
+    "ClusterConfig",
     "ContinualConfig",
     "DataConfig",
     "RunConfig",
@@ -152,12 +153,49 @@ class ContinualConfig:
             raise ValueError(f"continual.forget_sample must be >= 0, got {self.forget_sample}")
 
 
+MEMORY_PLACEMENTS = ("auto", "replicated", "sharded")
+BACKENDS = ("local",)
+
+
+@dataclass(kw_only=True)
+class ClusterConfig:
+    """Shards and trainers: P graph shards, W data-parallel trainers (DESIGN.md)."""
+
+    backend: str = "local"  # local: every shard and trainer in this process
+    trainers: int = 1
+    shards: int = 1
+    partitioner: str = "hash"  # or "ldg" (streaming linear deterministic greedy)
+    # node state (TGN memory) on every trainer ("replicated") or owned by shards ("sharded");
+    # "auto": replicated while nodes x state bytes per node fit memory_budget_mb
+    memory: str = "auto"
+    memory_budget_mb: float = 2048.0
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"cluster.backend must be one of {BACKENDS}, got {self.backend!r}")
+        for name in ("trainers", "shards"):
+            value = getattr(self, name)
+            if int(value) != value or value < 1:
+                raise ValueError(f"cluster.{name} must be an integer >= 1, got {value}")
+        if self.partitioner not in ("hash", "ldg"):
+            raise ValueError(
+                f"cluster.partitioner must be 'hash' or 'ldg', got {self.partitioner!r}"
+            )
+        if self.memory not in MEMORY_PLACEMENTS:
+            raise ValueError(
+                f"cluster.memory must be one of {MEMORY_PLACEMENTS}, got {self.memory!r}"
+            )
+        if not self.memory_budget_mb > 0:
+            raise ValueError(f"cluster.memory_budget_mb must be > 0, got {self.memory_budget_mb}")
+
+
 _SECTIONS = {
     "model": ModelConfig,
     "data": DataConfig,
     "sampler": SamplerConfig,
     "train": TrainConfig,
     "continual": ContinualConfig,
+    "cluster": ClusterConfig,
 }
 
 
@@ -168,6 +206,7 @@ class RunConfig:
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     continual: ContinualConfig = field(default_factory=ContinualConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
     mode: str = "continual"  # or "offline" (70/15/15 by time)
     offline_split: tuple[float, float] = (0.70, 0.15)  # train, validation; the rest is test
     seed: int = 0
@@ -178,7 +217,7 @@ class RunConfig:
     # torch CPU threads, set by the job entry point; 1 is fastest on small CPU boxes (these
     # batches are small, and threads thrash when other processes compete); None: torch's default
     threads: int | None = 1
-    deterministic: bool = True  # torch.use_deterministic_algorithms (see training.continual)
+    deterministic: bool = True  # deterministic kernels (see tidegraph.runtime.set_determinism)
 
     def __post_init__(self) -> None:
         if self.mode not in ("continual", "offline"):

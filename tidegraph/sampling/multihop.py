@@ -1,0 +1,148 @@
+"""Multi-hop temporal sampling over any set of hop samplers, local or remote.
+
+A hop sampler answers `sample_hop(roots, t_hi, k, t_lo) -> Block` for roots whose edges it
+holds: a `TemporalSampler` over one graph, a `ShardCore` over its partition, or a proxy of a
+remote shard. `sample_hops` runs the hop loop once for the whole root set (next-hop roots,
+deduplication of (node, time) roots, snapshot windows), whichever shard owns a root: per hop it
+groups the roots by owner, makes one batched request per shard, and scatters the answers back
+into one block in root order. A root's edges all live on its owner (each event is stored at
+the owners of both endpoints), so the merged block equals what one graph holding every edge
+returns (for `recent`; `uniform` draws from each shard's own generator).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from tidegraph.sampling.block import Block
+
+__all__ = ["MultiHopSampler", "sample_hops"]
+
+HopFn = Callable[[torch.Tensor, torch.Tensor, int, "torch.Tensor | None"], Block]
+
+
+def sample_hops(
+    hop: HopFn,
+    roots: torch.Tensor,
+    ts: torch.Tensor,
+    fanouts: Sequence[int],
+    num_snapshots: int = 1,
+    snapshot_window: float = 0.0,
+    dedup: bool = False,
+) -> list[Block] | list[list[Block]]:
+    """Blocks for hops 1..L; with snapshots, one list of blocks per window, newest first."""
+    ts = ts.to(torch.float64)
+    if num_snapshots == 1 and snapshot_window == 0.0:
+        return _hops(hop, roots, ts, None, fanouts, dedup)
+    w = snapshot_window
+    return [
+        _hops(hop, roots, ts - i * w, ts - (i + 1) * w, fanouts, dedup)
+        for i in range(num_snapshots)
+    ]
+
+
+def _hops(hop, roots, t_hi, t_lo, fanouts, dedup) -> list[Block]:
+    blocks = []
+    for i, k in enumerate(fanouts):
+        block = hop(roots, t_hi, k, t_lo)
+        blocks.append(block)
+        if i + 1 < len(fanouts):
+            roots, t_hi = block.next_roots()
+            if t_lo is not None:
+                t_lo = torch.cat([t_lo, t_lo.index_select(0, block.valid_rows)])
+            if dedup:
+                roots, t_hi, t_lo, block.next_index = distinct_roots(roots, t_hi, t_lo)
+    return blocks
+
+
+def distinct_roots(
+    roots: torch.Tensor, t_hi: torch.Tensor, t_lo: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Distinct (root, t_hi, t_lo) rows, ordered by root, and each input row's index among
+    them: stable sorts by the least significant key first, then a new group at each change."""
+    keys = [roots, t_hi] + ([t_lo] if t_lo is not None else [])
+    order = torch.arange(roots.shape[0], device=roots.device)
+    for key in reversed(keys):
+        order = order.index_select(0, torch.argsort(key.index_select(0, order), stable=True))
+    sorted_keys = [key.index_select(0, order) for key in keys]
+    new = torch.zeros_like(roots, dtype=torch.bool)
+    new[:1] = True
+    for key in sorted_keys:
+        new[1:] |= key[1:] != key[:-1]
+    group = torch.cumsum(new, 0) - 1
+    inverse = torch.empty_like(group).index_put_((order,), group)
+    first = new.nonzero().squeeze(1)
+    out = [key.index_select(0, first) for key in sorted_keys]
+    return out[0], out[1], out[2] if t_lo is not None else None, inverse
+
+
+class MultiHopSampler:
+    """Samples over shards: `shards[p].sample_hop` answers the roots that `owner` maps to p.
+
+    `owner(ids) -> shard index` is the partition map. With one shard every root goes to it
+    unchanged, so the result is exactly that hop sampler's.
+    """
+
+    def __init__(
+        self,
+        shards: Sequence,
+        owner: Callable[[torch.Tensor], torch.Tensor],
+        fanouts: Sequence[int],
+        num_snapshots: int = 1,
+        snapshot_window: float = 0.0,
+        dedup: bool = False,
+    ) -> None:
+        self.shards = list(shards)
+        self.owner = owner
+        self.fanouts = [int(k) for k in fanouts]
+        self.num_snapshots = num_snapshots
+        self.snapshot_window = float(snapshot_window) if num_snapshots > 1 else 0.0
+        self.dedup = dedup
+        self.requests = 0  # batched hop requests sent to shards (one per shard per hop)
+
+    def sample(self, roots: torch.Tensor, ts: torch.Tensor) -> list[Block] | list[list[Block]]:
+        if roots.dtype != torch.int64 or roots.dim() != 1 or ts.shape != roots.shape:
+            raise ValueError("MultiHopSampler.sample: roots must be int64 [R] and ts [R]")
+        return sample_hops(
+            self._hop, roots, ts, self.fanouts, self.num_snapshots, self.snapshot_window,
+            self.dedup,
+        )  # fmt: skip
+
+    def _hop(self, roots, t_hi, k, t_lo) -> Block:
+        if len(self.shards) == 1:
+            self.requests += 1
+            return self.shards[0].sample_hop(roots, t_hi, k, t_lo)
+        own = self.owner(roots)
+        parts = []
+        for p, shard in enumerate(self.shards):
+            idx = (own == p).nonzero().squeeze(1)
+            if idx.numel() == 0:
+                continue
+            lo = None if t_lo is None else t_lo.index_select(0, idx)
+            self.requests += 1
+            parts.append((idx, shard.sample_hop(roots.index_select(0, idx), t_hi[idx], k, lo)))
+        return merge_blocks(roots, t_hi, k, parts)
+
+
+def merge_blocks(
+    roots: torch.Tensor, t_hi: torch.Tensor, k: int, parts: list[tuple[torch.Tensor, Block]]
+) -> Block:
+    """One block over all `roots` from blocks over subsets (`idx` rows each); rows no part
+    answers stay empty (mask False, the sampler's fill values)."""
+    r = roots.shape[0]
+    nbr = roots.new_full((r, k), -1)
+    eid = roots.new_full((r, k), -1)
+    nbr_ts = t_hi.unsqueeze(1).expand(r, k).clone()
+    dt = torch.zeros(r, k, dtype=torch.float32, device=roots.device)
+    mask = torch.zeros(r, k, dtype=torch.bool, device=roots.device)
+    for idx, b in parts:
+        nbr.index_copy_(0, idx, b.nbr_ids)
+        eid.index_copy_(0, idx, b.nbr_eids)
+        nbr_ts.index_copy_(0, idx, b.nbr_ts)
+        dt.index_copy_(0, idx, b.dt)
+        mask.index_copy_(0, idx, b.mask)
+    return Block(
+        dst_ids=roots, dst_ts=t_hi, nbr_ids=nbr, nbr_ts=nbr_ts, nbr_eids=eid, dt=dt, mask=mask
+    )

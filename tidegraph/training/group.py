@@ -1,0 +1,207 @@
+"""`LocalGroup`: P graph shards and W data-parallel trainers in one process.
+
+The in-process backend of the distributed semantics (DESIGN.md, "Distributed semantics"); the
+Ray backend drives the same cores through actors. Per global step of B events:
+- the batch is cut into W contiguous slices (`slice_bounds`); negatives were drawn for the whole
+  batch by the caller, so they do not depend on W;
+- every trainer trains its slice against node state S(s-1) and returns its gradient (its share
+  of the global-batch mean) and its node-state updates;
+- the gradients are summed (the in-process all-reduce; one trainer's is used as it is, so
+  W = 1 is bitwise the single-replica step), every trainer steps its optimizer with the sum and
+  applies the updates of all slices in slice order (per node the latest event wins), so all of
+  step s lands before any read of step s + 1 and the replicas stay identical.
+Events are routed to shards by the partitioner: each event at the owner of its source and,
+reversed, at the owner of its destination; feature rows at shard eid mod P.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from tidegraph.rng import seed_for, stream
+from tidegraph.sampling.multihop import MultiHopSampler
+from tidegraph.storage.events import EventBatch
+from tidegraph.storage.partition import build_partitioner, partition_report
+from tidegraph.training.fetch import ShardedFeatureStore
+from tidegraph.training.schedule import slice_bounds
+from tidegraph.training.shard import ShardCore, route_events
+from tidegraph.training.trainer import TrainerCore
+
+__all__ = ["LocalGroup", "choose_memory_placement"]
+
+log = logging.getLogger(__name__)
+
+
+def choose_memory_placement(cluster, num_nodes: int, row_bytes: int) -> str:
+    """`cluster.memory`, with "auto" resolved by the size rule; logs the choice and why."""
+    total = num_nodes * row_bytes
+    budget = cluster.memory_budget_mb * 2**20
+    if cluster.memory != "auto":
+        log.info(
+            "memory placement %s (configured); node state %d nodes x %d B = %.1f MB",
+            cluster.memory, num_nodes, row_bytes, total / 2**20,
+        )  # fmt: skip
+        return cluster.memory
+    choice = "replicated" if total <= budget else "sharded"
+    log.info(
+        "memory placement %s: node state %d nodes x %d B = %.1f MB %s the %.0f MB budget",
+        choice, num_nodes, row_bytes, total / 2**20, "fits" if total <= budget else "exceeds",
+        cluster.memory_budget_mb,
+    )  # fmt: skip
+    return choice
+
+
+class LocalGroup:
+    """Shards and trainers of one run, all in this process."""
+
+    def __init__(self, config, num_nodes: int, edge_dim: int) -> None:
+        c = config.cluster
+        s = config.sampler
+        self.config = config
+        self.num_shards, self.num_trainers = c.shards, c.trainers
+        self.partitioner = build_partitioner(c.partitioner, c.shards)
+        self.shards = [
+            ShardCore(
+                p, c.shards, edge_dim=edge_dim, feature_precision=config.data.feature_precision,
+                strategy=s.strategy, seed=seed_for(config.seed, "sampler", p),
+                feature_seed=seed_for(config.seed, "features", p),
+                graph_device=config.graph_device, pin_memory=config.device.startswith("cuda"),
+            )
+            for p in range(c.shards)
+        ]  # fmt: skip
+        snaps = s.num_snapshots
+        window = s.snapshot_window if snaps > 1 else 0.0
+        init = stream(config.seed, "model")  # every replica draws the same initial parameters
+        self.trainers = []
+        for w in range(c.trainers):
+            sampler = MultiHopSampler(
+                self.shards, self._owner, s.fanouts, snaps, window, dedup=s.dedup
+            )
+            features = None
+            if edge_dim:
+                features = ShardedFeatureStore(self.shards, edge_dim, config.data.feature_precision)
+            trainer = TrainerCore(
+                config, num_nodes, edge_dim, sampler, features, w, init.clone_state()
+            )
+            self.trainers.append(trainer)
+        row_bytes = _state_row_bytes(self.trainers[0].model.node_state())
+        self.memory_placement = choose_memory_placement(c, num_nodes, row_bytes)
+        if self.memory_placement == "sharded":
+            raise NotImplementedError(
+                "cluster.memory: sharded node state is not implemented yet; use 'replicated' "
+                "(or raise cluster.memory_budget_mb so 'auto' picks it)"
+            )
+
+    def _owner(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.partitioner.owner(ids)
+
+    # ---- ingest -----------------------------------------------------------------------------
+
+    def ingest(self, events: EventBatch, num_nodes: int) -> None:
+        """Route events to their shards (both endpoints' owners), grow trainers' node tables."""
+        self.partitioner.assign(events.src, events.dst)
+        own_src = self.partitioner.owner(events.src)
+        own_dst = self.partitioner.owner(events.dst)
+        for shard, piece in zip(
+            self.shards, route_events(events, own_src, own_dst, self.num_shards), strict=True
+        ):
+            shard.ingest(piece)
+        top = int(events.eid.max()) + 1 if len(events) else 0
+        for trainer in self.trainers:
+            if trainer.edge_cache is not None:
+                trainer.edge_cache.store.set_num_rows(top)
+            trainer.grow(num_nodes)
+
+    # ---- steps ------------------------------------------------------------------------------
+
+    def train_step(
+        self, ev: EventBatch, weight: torch.Tensor | None, neg_BQ: torch.Tensor, num_observe: int
+    ) -> float:
+        """One global step over `ev` (its first `num_observe` events are recorded); returns
+        the batch's mean loss."""
+        results, slices = [], slice_bounds(len(ev), self.num_trainers)
+        for trainer, (lo, hi) in zip(self.trainers, slices, strict=True):
+            if hi == lo:
+                continue
+            w = None if weight is None else weight[lo:hi]
+            n_obs = max(0, min(hi, num_observe) - lo)
+            sub = ev.select(slice(lo, hi))
+            results.append(trainer.train_slice(sub, w, neg_BQ[lo:hi], n_obs, len(ev)))
+        if len(results) == 1:
+            grad = results[0]["grad"]
+        else:
+            grad = torch.stack([r["grad"] for r in results]).sum(0)
+        updates = [r["updates"] for r in results]
+        for trainer in self.trainers:
+            trainer.apply(grad, updates)
+        return sum(r["loss"] for r in results)
+
+    def eval_step(
+        self, ev: EventBatch, neg_BQ: torch.Tensor, observe: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scores of every slice, concatenated; with `observe`, records `ev` in node state."""
+        pos, neg, updates = [], [], []
+        for trainer, (lo, hi) in zip(
+            self.trainers, slice_bounds(len(ev), self.num_trainers), strict=True
+        ):
+            if hi == lo:
+                continue
+            p, n, u = trainer.eval_slice(ev.select(slice(lo, hi)), neg_BQ[lo:hi], observe)
+            pos.append(p)
+            neg.append(n)
+            updates.append(u)
+        if observe:
+            for trainer in self.trainers:
+                trainer.apply_updates(updates)
+        return torch.cat(pos), torch.cat(neg)
+
+    # ---- node state and rounds ----------------------------------------------------------------
+
+    def reset_state(self) -> None:
+        for trainer in self.trainers:
+            trainer.reset_state()
+
+    def node_state(self) -> dict:
+        return self.trainers[0].node_state()
+
+    def load_node_state(self, state: dict) -> None:
+        for trainer in self.trainers:
+            trainer.load_node_state(state)
+
+    def new_optimizers(self) -> None:
+        for trainer in self.trainers:
+            trainer.new_optimizer()
+
+    def restore_caches(self, eids: torch.Tensor) -> None:
+        for trainer in self.trainers:
+            trainer.restore_cache(eids)
+
+    def report(self, src: torch.Tensor, dst: torch.Tensor) -> dict:
+        """Partition quality over the events so far, and per-shard event counts."""
+        nodes = int(torch.maximum(src.max(), dst.max())) + 1 if src.numel() else 0
+        owner = self.partitioner.owner(torch.arange(nodes)) if nodes else torch.empty(0)
+        out = partition_report(src, dst, owner.long())
+        out["shard_events"] = [s.num_events for s in self.shards]
+        return out
+
+    # ---- state --------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        return {
+            "partitioner": self.partitioner.state_dict(),
+            "shards": [s.state_dict() for s in self.shards],
+            "trainers": [t.state_dict() for t in self.trainers],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.partitioner.load_state_dict(state["partitioner"])
+        for shard, s in zip(self.shards, state["shards"], strict=True):
+            shard.load_state_dict(s)
+        for trainer, s in zip(self.trainers, state["trainers"], strict=True):
+            trainer.load_state_dict(s)
+
+
+def _state_row_bytes(state: dict) -> int:
+    return sum(x[:1].numel() * x.element_size() for x in state.values() if x.dim() >= 1)

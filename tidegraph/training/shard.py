@@ -1,0 +1,165 @@
+"""One graph shard: a partition's adjacency and a share of the edge features, in one process.
+
+`ShardCore` is plain Python (the Ray actor wraps it unchanged). It holds:
+- the adjacency of the nodes it owns: every event (u, v, t, eid) as the half-edge u -> v when it
+  owns u and v -> u when it owns v, in a `DynamicGraph` of directed half-edges, inserted in the
+  order one graph storing both directions would insert them, so its answers to `sample_hop` for
+  its roots are exactly that graph's;
+- edge features of the eids it is responsible for, eid mod P == p, at local row eid // P. An
+  edge's row is stored once, not at both endpoint owners, and any reader routes a fetch by the
+  eid alone (which is what the trainers' feature caches key by);
+- its own sampler generator (`uniform` draws) and the count of distinct events it holds.
+
+`route_events` cuts a batch of events into the pieces each shard ingests; the group (local or
+Ray) calls it once per batch and sends each shard only its piece.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tidegraph.sampling.block import Block
+from tidegraph.sampling.sampler import TemporalSampler
+from tidegraph.storage.events import EventBatch
+from tidegraph.storage.features import EncodedRows, HostFeatureStore
+from tidegraph.storage.graph import DynamicGraph
+
+__all__ = ["ShardBatch", "ShardCore", "route_events"]
+
+
+@dataclass
+class ShardBatch:
+    """What one shard ingests from a batch: half-edges it owns, feature rows it keeps."""
+
+    node: torch.Tensor
+    nbr: torch.Tensor
+    t: torch.Tensor
+    eid: torch.Tensor
+    num_events: int  # distinct events among the half-edges
+    feat_eid: torch.Tensor
+    feat: torch.Tensor | None
+
+
+def route_events(
+    events: EventBatch, owner_src: torch.Tensor, owner_dst: torch.Tensor, num_parts: int
+) -> list[ShardBatch]:
+    """Per shard, its half-edges (interleaved u -> v, v -> u per event, as one graph stores
+    both directions) and the feature rows of eids mod P == p."""
+    node = torch.stack([events.src, events.dst], 1).flatten()
+    nbr = torch.stack([events.dst, events.src], 1).flatten()
+    t = events.t.repeat_interleave(2)
+    eid = events.eid.repeat_interleave(2)
+    own = torch.stack([owner_src, owner_dst], 1).flatten()
+    feat_owner = torch.remainder(events.eid, num_parts)
+    out = []
+    for p in range(num_parts):
+        if num_parts == 1:
+            keep, fkeep = slice(None), slice(None)
+            n_events = len(events)
+        else:
+            keep = (own == p).nonzero().squeeze(1)
+            fkeep = (feat_owner == p).nonzero().squeeze(1)
+            n_events = int(((owner_src == p) | (owner_dst == p)).sum())
+        feat = None if events.edge_feat is None else events.edge_feat[fkeep]
+        out.append(
+            ShardBatch(node[keep], nbr[keep], t[keep], eid[keep], n_events, events.eid[fkeep], feat)
+        )
+    return out
+
+
+class ShardCore:
+    """Partition `part` of `num_parts`: adjacency, its share of edge features, a sampler."""
+
+    def __init__(
+        self,
+        part: int,
+        num_parts: int,
+        *,
+        edge_dim: int = 0,
+        feature_precision: str = "fp32",
+        strategy: str = "recent",
+        seed: int | None = None,
+        feature_seed: int = 0,
+        graph_device: str = "cpu",
+        pin_memory: bool = False,
+    ) -> None:
+        if not 0 <= part < num_parts:
+            raise ValueError(f"ShardCore: part must be in [0, {num_parts}), got {part}")
+        self.part = part
+        self.num_parts = num_parts
+        self.graph = DynamicGraph(device=graph_device, add_reverse=False)
+        # fanouts are per request; this sampler answers one hop at a time
+        self.sampler = TemporalSampler(self.graph, (1,), strategy, seed=seed)
+        self.features = None
+        if edge_dim:
+            self.features = HostFeatureStore(
+                dim=edge_dim, precision=feature_precision, pin_memory=pin_memory,
+                seed=feature_seed,
+            )  # fmt: skip
+        self.num_events = 0  # distinct events whose half-edges are here
+
+    # ---- ingest -----------------------------------------------------------------------------
+
+    def ingest(self, batch: ShardBatch) -> None:
+        """Store the half-edges and feature rows of one routed batch (validated first, so a bad
+        batch changes nothing)."""
+        if self.features is not None and batch.feat is not None and batch.feat_eid.numel():
+            local = batch.feat_eid // self.num_parts
+            self.features.put(local, batch.feat)
+        g = self.graph.device
+        if batch.node.numel():
+            self.graph.add_edges(batch.node.to(g), batch.nbr.to(g), batch.t.to(g), batch.eid.to(g))
+        self.num_events += batch.num_events
+
+    # ---- queries ----------------------------------------------------------------------------
+
+    def sample_hop(
+        self, roots: torch.Tensor, t_hi: torch.Tensor, k: int, t_lo: torch.Tensor | None = None
+    ) -> Block:
+        """Up to k visible edges (t_lo <= t < t_hi) of each root (roots this shard owns)."""
+        return self.sampler.sample_hop(roots, t_hi, k, t_lo)
+
+    def fetch(self, eids: torch.Tensor) -> EncodedRows:
+        """Stored feature rows of `eids` (each with eid mod P == this part)."""
+        if self.features is None:
+            raise ValueError("ShardCore.fetch: this stream has no edge features")
+        return self.features.fetch(eids // self.num_parts)
+
+    @property
+    def num_feature_rows(self) -> int:
+        return 0 if self.features is None else self.features.num_rows
+
+    def report(self) -> dict:
+        return {
+            "part": self.part,
+            "events": self.num_events,
+            "stored_edges": self.graph.num_stored_edges,
+            "bytes": self.graph.memory_bytes()
+            + (0 if self.features is None else self.features.nbytes()),
+        }
+
+    # ---- state ------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        return {
+            "part": self.part,
+            "num_parts": self.num_parts,
+            "graph": self.graph.state_dict(),
+            "sampler": self.sampler.state_dict(),
+            "features": None if self.features is None else self.features.state_dict(),
+            "num_events": self.num_events,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if (state["part"], state["num_parts"]) != (self.part, self.num_parts):
+            raise ValueError(
+                f"ShardCore.load_state_dict: state of shard {state['part']}/{state['num_parts']}"
+                f", this is shard {self.part}/{self.num_parts}"
+            )
+        self.graph.load_state_dict(state["graph"])
+        self.sampler.load_state_dict(state["sampler"])
+        if self.features is not None:
+            self.features.load_state_dict(state["features"])
+        self.num_events = state["num_events"]

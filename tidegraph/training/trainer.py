@@ -1,0 +1,228 @@
+"""One data-parallel replica: model, optimizer, feature cache and (replicated) node state.
+
+`TrainerCore` is plain Python (the Ray actor wraps it unchanged). Per global step it trains or
+evaluates its slice of the step's events and hands back what the group reduces:
+- `train_slice` samples the slice's neighbourhoods (one request per shard per hop), fetches
+  edge features (one request per shard), runs forward and backward, and returns the gradient
+  (the flat gradient buffer of `FlatAdam`, of the slice's share of the global-batch loss:
+  mean over the slice times slice size / global batch size, so the sum over slices is the
+  global mean's gradient) and the node-state updates its events cause;
+- `apply(reduced_grad, updates)` sets the reduced gradient, takes the optimizer step and applies
+  the node-state updates of every slice (in slice order), so every replica stays identical;
+- `eval_slice` scores its slice (chunked to bound memory) and returns the updates to apply.
+Node state is read-only during a step: each slice reads what the previous step left.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from tidegraph.models.base import TemporalModel, link_roots
+from tidegraph.models.config import build_model
+from tidegraph.storage.cache import CachedFeatureStore
+from tidegraph.storage.events import EventBatch
+from tidegraph.training.fetch import join_edge_features
+from tidegraph.training.optim import FlatAdam
+
+__all__ = ["SliceResult", "TrainerCore"]
+
+log = logging.getLogger(__name__)
+
+
+class SliceResult(dict):
+    """{"grad": flat gradient, "loss": slice's share of the batch loss, "updates": ...}."""
+
+
+class TrainerCore:
+    """Replica `rank`: `sampler` (a `MultiHopSampler`), `features` (edge-feature store or
+    None), the model built from `config.model` with parameters from `init` (a generator)."""
+
+    def __init__(
+        self,
+        config,
+        num_nodes: int,
+        edge_dim: int,
+        sampler,
+        features,
+        rank: int = 0,
+        init: torch.Generator | None = None,
+    ) -> None:
+        self.config = config
+        self.rank = rank
+        self.device = torch.device(config.device)
+        self.sampler = sampler
+        snaps = config.sampler.num_snapshots
+        with torch.random.fork_rng(devices=[]):
+            if init is not None:
+                torch.set_rng_state(init.get_state())
+            self.model: TemporalModel = build_model(
+                config.model, num_nodes, edge_dim, num_snapshots=snaps
+            ).to(self.device)
+        d = config.data
+        self.edge_cache = None
+        if features is not None:
+            self.edge_cache = CachedFeatureStore(
+                features, ratio=d.feature_cache_ratio, policy=d.feature_cache_policy,
+                device=self.device,
+            )  # fmt: skip
+        self.optimizer = self.new_optimizer()
+        t = config.train
+        self.train_negatives, self.eval_negatives = t.train_negatives, t.eval_negatives
+        self.eval_max_roots = t.eval_max_roots
+
+    # ---- parameters -------------------------------------------------------------------------
+
+    def new_optimizer(self) -> FlatAdam:
+        # fused Adam over one flat buffer: one kernel and no per-parameter Python per step
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = FlatAdam(params, lr=self.config.train.lr)
+        return self.optimizer
+
+    def _param_ids(self) -> list[int]:
+        return [id(p) for p in self.model.parameters()]
+
+    def grow(self, num_nodes: int) -> None:
+        """Make room for node ids below `num_nodes` (node tables and state)."""
+        params = self._param_ids()
+        self.model.grow(num_nodes)
+        if params != self._param_ids():
+            log.info("node tables grew to %d nodes: new optimizer", num_nodes)
+            self.new_optimizer()
+
+    # ---- one step ---------------------------------------------------------------------------
+
+    def _forward(self, ev: EventBatch, neg_BQ: torch.Tensor, observe: EventBatch | None = None):
+        roots, ts = link_roots(ev.src, ev.dst, neg_BQ, ev.t)
+        blocks = self.sampler.sample(roots, ts)
+        blocks = _blocks_to(blocks, self.device)
+        observe = join_edge_features(self.edge_cache, blocks, observe)
+        d = self.device
+        scores = self.model.score(ev.src.to(d), ev.dst.to(d), neg_BQ.to(d), ev.t.to(d), blocks)
+        return scores, observe
+
+    def train_slice(
+        self,
+        ev: EventBatch,
+        weight: torch.Tensor | None,
+        neg_BQ: torch.Tensor,
+        num_observe: int,
+        global_size: int,
+    ) -> SliceResult:
+        """Gradient of this slice's share of the global-batch loss; its first `num_observe`
+        events are new in time order and are recorded in node state."""
+        if not self.model.training:  # Module.train() walks every submodule: once per pass
+            self.model.train()
+        observe = ev.select(slice(0, num_observe)) if num_observe else None
+        (pos, negl), observe = self._forward(ev, neg_BQ, observe)
+        loss_e = F.binary_cross_entropy_with_logits(pos, torch.ones_like(pos), reduction="none")
+        loss_e = loss_e + F.binary_cross_entropy_with_logits(
+            negl, torch.zeros_like(negl), reduction="none"
+        ).mean(1)
+        if weight is not None:
+            loss_e = loss_e * weight.to(loss_e.device)
+        loss = loss_e.mean()
+        if len(ev) != global_size:  # this slice's share of the global mean
+            loss = loss * (len(ev) / global_size)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if observe is not None:
+            observe = observe.to(self.device)
+        updates = self.model.take_updates(observe)
+        return SliceResult(
+            grad=self.optimizer.flat_grad, loss=float(loss.detach()), updates=updates
+        )
+
+    def apply(self, reduced_grad: torch.Tensor, updates: list) -> None:
+        """Optimizer step with the reduced gradient, then every slice's node-state updates."""
+        flat = self.optimizer.flat_grad
+        if reduced_grad is not flat:
+            flat.copy_(reduced_grad)
+        self.optimizer.step()
+        self.model.apply_updates(updates)
+
+    @torch.no_grad()
+    def eval_slice(
+        self, ev: EventBatch, neg_BQ: torch.Tensor, observe: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, dict | None]:
+        """(pos logits [B], negative logits [B, Q]) on the host, and the node-state updates of
+        recording `ev` (None unless `observe`); chunked so one forward has at most
+        `eval_max_roots` roots."""
+        if self.model.training:
+            self.model.eval()
+        q = neg_BQ.shape[1]
+        step = max(1, self.eval_max_roots // (2 + q))
+        pos_parts, neg_parts = [], []
+        for start in range(0, len(ev), step):
+            part = ev.select(slice(start, start + step))
+            (pos, negl), _ = self._forward(part, neg_BQ[start : start + step])
+            pos_parts.append(pos.float().cpu())
+            neg_parts.append(negl.float().cpu())
+            if observe:
+                self.model.fold()  # later chunks read it; the events are recorded at the end
+            else:
+                self.model.discard()
+        updates = None
+        if observe:
+            recorded = join_edge_features(self.edge_cache, [], ev) if len(ev) else ev
+            updates = self.model.take_updates(recorded.to(self.device))
+        return torch.cat(pos_parts), torch.cat(neg_parts), updates
+
+    # ---- node state -------------------------------------------------------------------------
+
+    def apply_updates(self, updates: list) -> None:
+        self.model.apply_updates(updates)
+
+    def reset_state(self) -> None:
+        self.model.reset_state()
+
+    def node_state(self) -> dict:
+        return self.model.node_state()
+
+    def load_node_state(self, state: dict) -> None:
+        self.model.load_node_state(state)
+
+    def restore_cache(self, eids: torch.Tensor) -> None:
+        """GNNFlow's restoration: seed the feature cache with the round's edges."""
+        if self.edge_cache is not None:
+            self.edge_cache.restore(eids)
+
+    # ---- state ------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        cache = self.edge_cache
+        return {
+            "rank": self.rank,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "edge_cache": None if cache is None else cache.state_dict(),
+            "features": None if cache is None else cache.store.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        params = self._param_ids()
+        self.model.load_state_dict(state["model"])  # in place, unless a node table grew
+        if params != self._param_ids():
+            self.new_optimizer()
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.edge_cache is not None:
+            self.edge_cache.store.load_state_dict(state["features"])
+            self.edge_cache.load_state_dict(state["edge_cache"])
+
+
+def _blocks_to(blocks: list, device: torch.device) -> list:
+    if blocks and isinstance(blocks[0], list):
+        return [_blocks_to(b, device) for b in blocks]
+    return [b if _on(b.dst_ids, device) else b.to(device) for b in blocks]
+
+
+def _on(x: torch.Tensor, device: torch.device) -> bool:
+    """Whether `x` is on `device`; "cuda" without an index means the current device (tensors
+    always carry one, and torch.device("cuda") != torch.device("cuda:0"))."""
+    if x.device.type != device.type:
+        return False
+    if device.index is None and device.type == "cuda":
+        return x.device.index == torch.cuda.current_device()
+    return device.index is None or x.device.index == device.index
