@@ -1,10 +1,12 @@
 """Entry point: `python -m tidegraph.jobs.train [--config CONFIG.yaml] [flags]`.
 
-With no arguments it runs single-process continuous learning of TGN on the bundled wikipedia
-stream (phase 1 on the first 30%, then 10 increments: evaluate first, then retrain with uniform
-replay) and prints each increment's AP/AUC/MRR and events/s; metrics go to
-`runs/latest/metrics.jsonl` (one JSON line per increment) and `summary.json`. A YAML file maps
-onto `RunConfig` (sections `model`, `data`, `sampler`, `train`, `continual`); flags override it.
+With no arguments it runs continuous learning of TGN on the bundled wikipedia stream (phase 1
+on the first 30%, then 10 increments: evaluate first, then retrain with uniform replay) and
+prints each increment's AP/AUC/MRR and events/s; metrics go to `runs/latest/metrics.jsonl` (one
+JSON line per increment) and `summary.json`. `--shards P --trainers W` split the graph over P
+shards and the batch over W data-parallel trainers (`--backend local`: all in this process;
+same results as P = W = 1 up to float summation order). A YAML file maps onto `RunConfig`
+(sections `model`, `data`, `sampler`, `train`, `continual`, `cluster`); flags override it.
 """
 
 from __future__ import annotations
@@ -15,10 +17,9 @@ import logging
 import sys
 from pathlib import Path
 
-import torch
 import yaml
 
-from tidegraph.runtime import tune_host_allocator
+from tidegraph.runtime import set_determinism, tune_host_allocator
 from tidegraph.training.config import RunConfig
 from tidegraph.training.continual import ContinualLearner
 from tidegraph.training.offline import run_offline
@@ -45,6 +46,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", help="cpu or cuda")
     p.add_argument("--threads", type=int, help="torch CPU threads (1 is fastest on a busy box)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--backend", help="local: shards and trainers in this process")
+    p.add_argument("--trainers", type=int, help="data-parallel trainers W (default 1)")
+    p.add_argument("--shards", type=int, help="graph shards P (default 1)")
+    p.add_argument("--memory", help="node state placement: auto, replicated or sharded")
+    p.add_argument("--partitioner", help="hash (default) or ldg")
     return p
 
 
@@ -53,7 +59,9 @@ def parse_config(argv: list[str] | None = None) -> RunConfig:
     raw = {}
     if args.config:
         raw = yaml.safe_load(Path(args.config).read_text()) or {}
-    sections = {k: dict(raw.get(k) or {}) for k in ("model", "data", "train", "continual")}
+    sections = {
+        k: dict(raw.get(k) or {}) for k in ("model", "data", "train", "continual", "cluster")
+    }
     for flag, (section, key) in {
         "model": ("model", "name"),
         "dataset": ("data", "dataset"),
@@ -63,6 +71,11 @@ def parse_config(argv: list[str] | None = None) -> RunConfig:
         "increments": ("continual", "num_increments"),
         "replay": ("continual", "replay"),
         "epochs": ("train", "epochs"),
+        "backend": ("cluster", "backend"),
+        "trainers": ("cluster", "trainers"),
+        "shards": ("cluster", "shards"),
+        "memory": ("cluster", "memory"),
+        "partitioner": ("cluster", "partitioner"),
     }.items():
         if getattr(args, flag) is not None:
             sections[section][key] = getattr(args, flag)
@@ -93,14 +106,17 @@ def main(argv: list[str] | None = None) -> int:
     if config.out_dir:
         for name in ("metrics.jsonl", "summary.json", "offline.json"):
             (Path(config.out_dir) / name).unlink(missing_ok=True)  # this run's files start empty
-    if config.threads:
-        torch.set_num_threads(config.threads)
+    set_determinism(config.seed, 0, config.deterministic, config.threads)
     log.info("config: %s", json.dumps(config.to_dict()))
     if config.mode == "offline":
         result = run_offline(config)
         print(json.dumps({"test": result["test"], "epoch_s": result["epoch_s"]}, indent=2))
         return 0
-    learner = ContinualLearner(config)
+    try:
+        learner = ContinualLearner(config)
+    except ValueError as err:  # bad data or a config that only the data shows to be wrong
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     learner.run_phase1()
     cols = ("inc", "events", "AP", "AUC", "MRR", "oldAP", "eval/s", "train/s")
     print(" ".join(f"{c:>8}" for c in cols))

@@ -132,6 +132,9 @@ class ContinualLearner:
         self.ingest(0, end)
         record = {"phase": "phase1", "train_events": val_start, "val_events": end - val_start}
         record.update(self._cluster_record())
+        part = self.group.report(self.events.src[:end], self.events.dst[:end])
+        record.update({f"partition_{k}": v for k, v in part.items() if k != "shard_events"})
+        log.info("partition: %s", part)
         for epoch in range(cfg.train.epochs):
             self.group.reset_state()
             rate, loss = self.train_pass(0, val_start, f"phase1 epoch {epoch + 1}")
@@ -189,14 +192,21 @@ class ContinualLearner:
         return record
 
     def summary(self) -> dict:
-        """Mean metrics over increments, and forgetting: first AP minus AP now, per increment."""
+        """Mean metrics over increments, and forgetting: first AP minus AP now, per increment.
+
+        No side effects on training: the probes draw from copies of the generators."""
         inc = [r for r in self.history if r["phase"] == "increment"]
         out = {"model": self.config.model.name, "dataset": self.stream.name}
         out.update(self._cluster_record())
+        out["partition"] = self.group.report(self.events.src[: self.ingested],
+                                             self.events.dst[: self.ingested])  # fmt: skip
         if inc:
             for key in ("ap", "auc", "mrr", "old_ap"):
                 out[key] = sum(r[key] for r in inc) / len(inc)
+            saved = self.negatives.generator.get_state(), self.forget_gen.get_state()
             now = [self._ap_on(*self.bounds[r["increment"]]) for r in inc[:-1]]
+            self.negatives.generator.set_state(saved[0])
+            self.forget_gen.set_state(saved[1])
             drops = [r["ap"] - a for r, a in zip(inc[:-1], now, strict=True)]
             out["forgetting"] = sum(drops) / len(drops) if drops else 0.0
         if self.config.out_dir:
