@@ -323,3 +323,24 @@ def test_build_model_sets_slot_precision_and_rejects_unknown_ones():
 def test_unknown_model_is_rejected_naming_the_field():
     with pytest.raises(ValueError, match="model.name"):
         ModelConfig(name="gcnx")
+
+
+def test_node_table_rows_depend_on_the_id_alone_not_on_how_the_table_grew():
+    from tidegraph.models.layers import NodeInput
+
+    torch.manual_seed(3)
+    a = NodeInput(0, 4)
+    torch.manual_seed(3)
+    b = NodeInput(10, 4)
+    global_state = torch.get_rng_state()
+    for n in (7, 4100, 5000, 9000):
+        a.grow(n)
+    b.grow(9000)
+    assert torch.equal(torch.get_rng_state(), global_state)  # growth draws nothing global
+    assert torch.equal(a.table, b.table) and a.table.shape == (9000, 4)
+    assert a.table[4096:4100].std() > 0.05  # a second block of real draws, not zeros
+    c = NodeInput(0, 4)
+    c.load_state_dict(a.state_dict())  # the seed travels: growing further stays the same
+    c.grow(9500)
+    a.grow(9500)
+    assert torch.equal(a.table, c.table)

@@ -108,3 +108,32 @@ def test_loading_moments_of_another_size_names_both():
     opt_b = FlatAdam(other.parameters(), lr=1e-2)
     with pytest.raises(ValueError, match="exp_avg.* 1072 values.* 136"):
         opt_b.load_state_dict(copy.deepcopy(opt_a.state_dict()))
+
+
+def test_regrow_keeps_the_moments_of_old_values_and_trains_the_grown_table():
+    torch.manual_seed(0)
+    table = torch.nn.Parameter(torch.randn(5, 3))
+    bias = torch.nn.Parameter(torch.randn(3))
+    opt = FlatAdam([table, bias], lr=0.1)
+    for _ in range(3):
+        opt.zero_grad()
+        (table.sum(0) * bias).sum().backward()
+        opt.step()
+    before = {k: v.clone() for k, v in opt.state[opt.flat].items()}
+    grown = torch.nn.Parameter(torch.cat([table.data, torch.zeros(2, 3)]))
+    opt.regrow([grown, bias])
+    state = opt.state[opt.flat]
+    assert torch.equal(state["step"], before["step"])
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert torch.equal(state[key][:15], before[key][:15])  # the old table's values
+        assert torch.equal(state[key][15:21], torch.zeros(6))  # its new rows
+        assert torch.equal(state[key][21:], before[key][15:])  # the bias, moved along
+    flat = opt.flat.untyped_storage().data_ptr()
+    assert grown.untyped_storage().data_ptr() == flat and bias.untyped_storage().data_ptr() == flat
+    old = grown.detach().clone()
+    opt.zero_grad()
+    (grown.sum(0) * bias).sum().backward()
+    opt.step()
+    assert not torch.equal(grown.detach()[5:], old[5:])  # new rows train
+    with pytest.raises(ValueError, match="grown or equal"):
+        opt.regrow([bias])

@@ -26,12 +26,18 @@ __all__ = [
 ]
 
 
+_INIT_BLOCK = 4096  # node-table rows drawn per generator seed
+
+
 class NodeInput(nn.Module):
     """Layer-0 node states: features from a store (`get(ids)`) or a learned embedding table.
 
-    The table grows with `grow(num_nodes)` as new nodes arrive in the stream; rows of unseen
-    nodes start at the init values, drawn from the module's own generator so growth is
-    reproducible.
+    The table grows with `grow(num_nodes)` as new nodes arrive in the stream. Row i's initial
+    values are a function of (the module's seed, i) alone: rows come in blocks of
+    `_INIT_BLOCK` ids, each block drawn from a generator seeded with (seed, block), so the
+    table is the same however it grew, never touches torch's global generator after
+    construction, and every replica grows alike. The seed is drawn once at construction (from
+    the global generator, which the caller seeds) and is a buffer, so checkpoints keep it.
     """
 
     def __init__(self, num_nodes: int, dim: int, features=None, feat_dim: int = 0) -> None:
@@ -43,13 +49,28 @@ class NodeInput(nn.Module):
             self.table = None
         else:
             self.proj = None
-            self.table = nn.Parameter(torch.randn(num_nodes, dim) * 0.1)
+            seed = torch.randint(0, 2**62, (1,), dtype=torch.int64)
+            self.register_buffer("table_seed", seed)
+            self.table = nn.Parameter(self._init_rows(0, num_nodes, torch.device("cpu")))
+
+    def _init_rows(self, lo: int, hi: int, device: torch.device) -> torch.Tensor:
+        """Initial values of rows [lo, hi): one draw per block of ids (not per row)."""
+        b = _INIT_BLOCK
+        blocks = []
+        for block in range(lo // b, -(-hi // b)):
+            gen = torch.Generator().manual_seed(int(self.table_seed) + block)
+            blocks.append(torch.randn(b, self.dim, generator=gen) * 0.1)
+        if not blocks:
+            return torch.empty(0, self.dim, device=device)
+        start = (lo // b) * b
+        return torch.cat(blocks)[lo - start : hi - start].to(device)
 
     def grow(self, num_nodes: int) -> None:
         if self.table is None or num_nodes <= self.table.shape[0]:
             return
-        extra = torch.randn(num_nodes - self.table.shape[0], self.dim) * 0.1
-        self.table = nn.Parameter(torch.cat([self.table.data, extra.to(self.table.device)]))
+        old = self.table.shape[0]
+        extra = self._init_rows(old, num_nodes, self.table.device).to(self.table.dtype)
+        self.table = nn.Parameter(torch.cat([self.table.data, extra]))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """States of `ids` (valid ids only)."""

@@ -68,7 +68,12 @@ class ContinualLearner:
             d.dataset, d.max_events, format=d.format, quarantine=d.quarantine
         )
         self.events = self.stream.events
-        self.group = LocalGroup(config, self.stream.num_nodes, self.stream.edge_dim)
+        # node tables start empty and grow with the nodes seen; the placement rule sizes node
+        # state by the stream's node count
+        self.group = LocalGroup(
+            config, 0, self.stream.edge_dim, expected_nodes=self.stream.num_nodes
+        )
+        self.num_nodes = 0  # one past the largest node id ingested
         self.slot_precision = resolved_slot_precision(config.model.slot_precision, self.device)
         log.info("attention slot projections in %s on %s", self.slot_precision, self.device)
         seed = config.seed
@@ -228,6 +233,7 @@ class ContinualLearner:
     def orchestrator_state(self) -> dict:
         return {
             "cursor": self.cursor.state_dict(),
+            "num_nodes": self.num_nodes,
             "negatives": self.negatives.state_dict(),
             "replay": self.replay.state_dict(),
             "forget_gen": self.forget_gen.get_state(),
@@ -237,6 +243,7 @@ class ContinualLearner:
 
     def load_orchestrator_state(self, state: dict) -> None:
         self.cursor.load_state_dict(state["cursor"])
+        self.num_nodes = state["num_nodes"]
         self.negatives.load_state_dict(state["negatives"])
         self.replay.load_state_dict(state["replay"])
         load_generator_state(self.forget_gen, state["forget_gen"], "forgetting probe")
@@ -265,7 +272,10 @@ class ContinualLearner:
         if end <= self.cursor.ingested:
             return
         ev = self.events.select(slice(max(start, self.cursor.ingested), end))
-        self.group.ingest(ev, self.stream.num_nodes)
+        if len(ev):
+            top = int(torch.maximum(ev.src.max(), ev.dst.max())) + 1
+            self.num_nodes = max(self.num_nodes, top)
+        self.group.ingest(ev, self.num_nodes)
         self.negatives.add(ev.dst)
         self.cursor.ingested = end
 

@@ -56,7 +56,9 @@ def choose_memory_placement(cluster, num_nodes: int, row_bytes: int) -> str:
 class LocalGroup:
     """Shards and trainers of one run, all in this process."""
 
-    def __init__(self, config, num_nodes: int, edge_dim: int) -> None:
+    def __init__(
+        self, config, num_nodes: int, edge_dim: int, expected_nodes: int | None = None
+    ) -> None:
         c = config.cluster
         s = config.sampler
         self.config = config
@@ -87,7 +89,8 @@ class LocalGroup:
             )
             self.trainers.append(trainer)
         row_bytes = _state_row_bytes(self.trainers[0].model.node_state())
-        self.memory_placement = choose_memory_placement(c, num_nodes, row_bytes)
+        expected = num_nodes if expected_nodes is None else expected_nodes
+        self.memory_placement = choose_memory_placement(c, expected, row_bytes)
         if self.memory_placement == "sharded":
             raise NotImplementedError(
                 "cluster.memory: sharded node state is not implemented yet; use 'replicated' "

@@ -85,12 +85,13 @@ class TrainerCore:
         return [id(p) for p in self.model.parameters()]
 
     def grow(self, num_nodes: int) -> None:
-        """Make room for node ids below `num_nodes` (node tables and state)."""
+        """Make room for node ids below `num_nodes` (node tables and state); a table that grew
+        into a new Parameter is re-homed into the optimizer with its moments kept."""
         params = self._param_ids()
         self.model.grow(num_nodes)
         if params != self._param_ids():
-            log.info("node tables grew to %d nodes: new optimizer", num_nodes)
-            self.new_optimizer()
+            log.debug("node tables grew to %d nodes: optimizer state grown", num_nodes)
+            self.optimizer.regrow(p for p in self.model.parameters() if p.requires_grad)
 
     # ---- one step ---------------------------------------------------------------------------
 
