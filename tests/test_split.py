@@ -152,12 +152,15 @@ def stream20k():
     return load_stream("wikipedia", 20000)
 
 
-def run_20k(model: str, shards: int, trainers: int, stream, dtype=torch.float32):
+def run_20k(
+    model: str, shards: int, trainers: int, stream, dtype=torch.float32, memory="replicated"
+):
     set_determinism(7, threads=1)
     over = {
         "data": {"max_events": 20000},
         "train": {"batch_size": 200, "epochs": 1},
         "continual": {"num_increments": 5, "train_fraction": 0.5, "forget_sample": 200},
+        "cluster": {"shards": shards, "trainers": trainers, "memory": memory},
     }
     learner = ContinualLearner(config(model, shards, trainers, **over), stream)
     if dtype != torch.float32:
@@ -170,8 +173,12 @@ def run_20k(model: str, shards: int, trainers: int, stream, dtype=torch.float32)
 
 
 def assert_same_run(a: ContinualLearner, b: ContinualLearner, label, bound: float) -> None:
+    """Parameters and (replicated) node state of replica 0, and the AP of every record."""
     sa, sb = a.model.state_dict(), b.model.state_dict()
-    for key in sa:
+    keys = list(sa)
+    if b.group.state_shards is not None:  # node state compared by the caller
+        keys = [name for name, _ in b.model.named_parameters()]
+    for key in keys:
         if sa[key].is_floating_point():
             assert rel(sa[key], sb[key]) < bound, (label, key, rel(sa[key], sb[key]))
         else:  # pending-message flags, message sources, mail counts
@@ -251,3 +258,34 @@ def test_slices_cutting_equal_timestamps_and_shared_nodes_are_exact(model, float
             else:  # pending messages, message sources, mail counts: exactly the same
                 assert torch.equal(x, state[name]), (key, name)
         assert rel(pos0, pos) < 1e-6 and rel(neg0, neg) < 1e-6  # logits go out as float32
+
+
+# ---- sharded node state -----------------------------------------------------------------------
+
+
+def node_tables(learner: ContinualLearner) -> dict:
+    """Node state of every node seen, from replica 0 or assembled from the shards."""
+    ev = learner.events
+    ids = torch.unique(torch.cat([ev.src[: learner.ingested], ev.dst[: learner.ingested]]))
+    trainer = learner.group.trainers[0]
+    if trainer.state_source is None:
+        return {k: v[ids] for k, v in trainer.model.state_tables().items()}
+    return trainer.state_source.read(ids)
+
+
+@pytest.mark.parametrize("model", ["tgn", "apan", "jodie"])
+def test_sharded_node_state_gives_what_replicated_gives(model, stream20k, float64):
+    ref = run_20k(model, 1, 1, stream20k, float64)
+    want = node_tables(ref)
+    for shards, trainers in ((1, 1), (2, 2), (3, 4)):
+        learner = run_20k(model, shards, trainers, stream20k, float64, memory="sharded")
+        assert learner.group.memory_placement == "sharded"
+        assert learner.group.trainers[0].model.state_tables()["memory"].shape[0] < 2000
+        got = node_tables(learner)
+        for key, x in want.items():
+            bound = 0.0 if (shards, trainers) == (1, 1) else 1e-9
+            assert rel(x, got[key]) <= bound, (shards, trainers, key, rel(x, got[key]))
+        assert_same_run(ref, learner, (shards, trainers, "sharded"), 1e-9)
+        if (shards, trainers) == (1, 1):
+            for a, b in zip(ref.history, learner.history, strict=True):
+                assert a.get("ap") == b.get("ap") and a.get("loss") == b.get("loss")

@@ -238,16 +238,22 @@ _RESUME = textwrap.dedent(
     learner.load_state_dict(torch.load(sys.argv[1], weights_only=False)["state"])
     while not learner.done:
         learner.step()
-    torch.save({"model": learner.model.state_dict(), "history": learner.history}, sys.argv[2])
+    torch.save({"model": learner.group.trainers[0].state_dict()["model"],
+                "history": learner.history,
+                "state": learner.group.node_state()}, sys.argv[2])
     """
 )
 
 
-def test_checkpoint_resumes_in_a_new_process_to_the_same_result(tmp_path):
+@pytest.mark.parametrize(
+    "cluster",
+    [{}, {"shards": 2, "trainers": 2}, {"shards": 3, "trainers": 2, "memory": "sharded"}],
+)
+def test_checkpoint_resumes_in_a_new_process_to_the_same_result(tmp_path, cluster):
     over = dict(
         continual={"num_increments": 3}, train={"epochs": 1}, sampler={"strategy": "uniform"}
     )
-    cfg = small_config(**over)
+    cfg = small_config(**over, cluster=cluster)
     full = ContinualLearner(cfg)
     full.run()
     part = ContinualLearner(cfg)
@@ -262,9 +268,17 @@ def test_checkpoint_resumes_in_a_new_process_to_the_same_result(tmp_path):
     cmd = [sys.executable, str(script), str(ckpt), str(out), threads]
     subprocess.run(cmd, check=True, timeout=300)
     resumed = torch.load(out, weights_only=False)
-    ref = full.model.state_dict()
-    assert all(torch.equal(resumed["model"][k], ref[k]) for k in ref)
+    ref = full.group.trainers[0].state_dict()["model"]
+    assert [k for k in ref if not torch.equal(resumed["model"][k], ref[k])] == []
     assert _metrics(resumed["history"]) == _metrics(full.history)
+
+    def flat(x) -> list[torch.Tensor]:
+        if isinstance(x, dict | list):
+            return [t for v in (x.values() if isinstance(x, dict) else x) for t in flat(v)]
+        return [torch.as_tensor(x)]
+
+    want, got = flat(full.group.node_state()), flat(resumed["state"])
+    assert len(want) == len(got) and all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
 
 
 def test_checkpoint_records_slot_precision_and_a_different_one_warns(caplog):

@@ -55,6 +55,7 @@ class APAN(TemporalModel):
         self.time_enc = TimeEncoder(time_dim)
         self.mail_in = nn.Linear(self.mail_dim, dim)
         self.attention = TemporalAttention(dim, self.time_enc, 0, dim, heads)
+        self.row_index = None  # compact tables (sharded node state): ids -> rows
         self._alloc(num_nodes)
         self._queue: list[tuple[int, torch.Tensor, Block]] = []
         self._batch: int | None = None  # events in the forward pass under way (set by score)
@@ -67,6 +68,20 @@ class APAN(TemporalModel):
         self.register_buffer("mail_t", torch.full((n, m), -torch.inf, dtype=torch.float64))
         self.register_buffer("mail_count", torch.zeros(n, dtype=torch.int64))  # mails received
 
+    def _r(self, ids: torch.Tensor) -> torch.Tensor:
+        return ids if self.row_index is None else self.row_index(ids)
+
+    def state_tables(self) -> dict[str, torch.Tensor]:
+        return {name: getattr(self, name) for name in _STATE}
+
+    def state_ids(self, roots: torch.Tensor, blocks: list) -> torch.Tensor:
+        return torch.unique(roots)  # embeddings read the roots' memory and mails only
+
+    def load_compact_state(self, row_index, tables: dict) -> None:
+        for name in _STATE:
+            setattr(self, name, tables[name])
+        self.row_index = row_index
+
     # ---- forward ----------------------------------------------------------------------------
 
     def score(self, src, dst, neg_BQ, t, blocks):
@@ -76,7 +91,8 @@ class APAN(TemporalModel):
         return super().score(src, dst, neg_BQ, t, blocks)
 
     def embed(self, ids: torch.Tensor, ts: torch.Tensor, blocks: list) -> torch.Tensor:
-        mail_t = gather_rows(self.mail_t, ids)  # [R, M]
+        loc = self._r(ids)
+        mail_t = gather_rows(self.mail_t, loc)  # [R, M]
         ts = ts.to(mail_t.dtype)
         # only filled slots (-inf: empty) holding mails of earlier events
         visible = (mail_t < ts.unsqueeze(1)) & (mail_t > -torch.inf)
@@ -90,10 +106,10 @@ class APAN(TemporalModel):
             mask=visible,
         )
         m = self.mailbox_size
-        flat = ids.unsqueeze(1) * m + torch.arange(m, device=ids.device)  # [R, M] mail rows
+        flat = loc.unsqueeze(1) * m + torch.arange(m, device=ids.device)  # [R, M] mail rows
         mails = gather_rows(self.mail.view(-1, self.mail_dim), box.valid(flat))
         z = self.attention(
-            gather_rows(self.memory, ids), self.mail_in(mails), box.valid(box.dt), None, box
+            gather_rows(self.memory, loc), self.mail_in(mails), box.valid(box.dt), None, box
         )
         b = self._batch
         if b is not None and blocks:  # rows of the events' endpoints, kept for commit()
@@ -139,27 +155,36 @@ class APAN(TemporalModel):
         }  # fmt: skip
 
     @torch.no_grad()
-    def apply_updates(self, updates: list[dict | None]) -> None:
+    def apply_updates(self, updates: list[dict | None], owned=None) -> None:
         updates = [u for u in updates if u is not None]
         if not updates:
             return
         cat = lambda key: torch.cat([u[key] for u in updates])  # noqa: E731
         src, dst, t = cat("src"), cat("dst"), cat("t")
-        self._set_memory(torch.cat([src, dst]), torch.cat([cat("z_src"), cat("z_dst")]), t)
+        nodes, z = torch.cat([src, dst]), torch.cat([cat("z_src"), cat("z_dst")])
+        times = t.repeat(2)
         targets = torch.cat([src, dst, cat("nbr_u"), cat("nbr_v")])
         mails = torch.cat([cat("mail_u"), cat("mail_v"), cat("nbr_mail_u"), cat("nbr_mail_v")])
-        times = torch.cat([t, t, cat("nbr_t_u"), cat("nbr_t_v")])
-        self._deliver(targets, mails, times)
+        mail_t = torch.cat([t, t, cat("nbr_t_u"), cat("nbr_t_v")])
+        if owned is not None:  # a shard's part: its nodes' rows, in the same order
+            keep = owned(nodes).nonzero().squeeze(1)
+            nodes, z, times = (x.index_select(0, keep) for x in (nodes, z, times))
+            keep = owned(targets).nonzero().squeeze(1)
+            targets, mails, mail_t = (x.index_select(0, keep) for x in (targets, mails, mail_t))
+        self._set_memory(nodes, z, times)
+        self._deliver(targets, mails, mail_t)
 
-    def _set_memory(self, nodes: torch.Tensor, z: torch.Tensor, t: torch.Tensor) -> None:
+    def _set_memory(self, nodes: torch.Tensor, z: torch.Tensor, times: torch.Tensor) -> None:
         """memory[v] = z of v's latest event in the batch (ties: the later row)."""
-        times = t.repeat(2)
         uniq, row = latest_rows(nodes, times)
-        self.memory[uniq] = z[row].to(self.memory.dtype)
-        self.last_update[uniq] = times[row]
+        loc = self._r(uniq)
+        self.memory[loc] = z[row].to(self.memory.dtype)
+        self.last_update[loc] = times[row]
 
     def _deliver(self, targets: torch.Tensor, mails: torch.Tensor, times: torch.Tensor) -> None:
         """Append mails to their targets' rings in time order, the M newest per target."""
+        if targets.numel() == 0:
+            return
         m = self.mailbox_size
         order = torch.argsort(times, stable=True)
         order = order[torch.argsort(targets[order], stable=True)]  # by target, then time
@@ -171,11 +196,11 @@ class APAN(TemporalModel):
         )
         count = torch.repeat_interleave(counts, counts)
         keep = rank >= count - m  # older ones would be overwritten in this batch anyway
-        tgt, rank, order = tgt[keep], rank[keep], order[keep]
+        tgt, rank, order = self._r(tgt[keep]), rank[keep], order[keep]
         slot = (self.mail_count[tgt] + rank) % m
         self.mail[tgt, slot] = mails[order].to(self.mail.dtype)
         self.mail_t[tgt, slot] = times[order]
-        self.mail_count[uniq] += counts
+        self.mail_count[self._r(uniq)] += counts
 
     def discard(self) -> None:
         self._queue.clear()
@@ -195,6 +220,8 @@ class APAN(TemporalModel):
             setattr(self, name, value.clone().to(getattr(self, name).device))
 
     def grow(self, num_nodes: int) -> None:
+        if self.external_state:
+            return
         extra = num_nodes - self.memory.shape[0]
         if extra <= 0:
             return

@@ -60,6 +60,9 @@ class TemporalModel(nn.Module):
 
     num_layers: int = 1
     uses_snapshots: bool = False
+    # node state held elsewhere (sharded placement): `grow` leaves state tables alone and a
+    # trainer installs the rows each step reads with `load_compact_state`
+    external_state: bool = False
 
     def __init__(self, dim: int) -> None:
         super().__init__()
@@ -105,8 +108,29 @@ class TemporalModel(nn.Module):
         (carrying fetched `edge_feat` when the model reads edge features) to record."""
         return None
 
-    def apply_updates(self, updates: list[dict | None]) -> None:
-        """Apply the updates of every slice of one step, given in slice order."""
+    def apply_updates(self, updates: list[dict | None], owned=None) -> None:
+        """Apply the updates of every slice of one step, given in slice order; with `owned`
+        (node ids -> bool), only those concerning the nodes it accepts (a shard's)."""
+
+    # ---- sharded node state (models without node state have no tables) --------------------
+
+    def state_tables(self) -> dict[str, torch.Tensor]:
+        """Live node-state tables, one row per node (no copies)."""
+        return {}
+
+    def state_ids(self, roots: torch.Tensor, blocks: list) -> torch.Tensor:
+        """Sorted distinct node ids whose state a forward pass over these blocks reads."""
+        from tidegraph.training.fetch import flat_blocks
+
+        ids = [roots] + [b.valid(b.nbr_ids) for b in flat_blocks(blocks)]
+        return torch.unique(torch.cat(ids))
+
+    def extra_state_ids(self, ids: torch.Tensor, tables: dict) -> torch.Tensor | None:
+        """Further ids whose state (`memory` only) the pass reads, given `ids`' rows."""
+        return None
+
+    def load_compact_state(self, row_index, tables: dict) -> None:
+        """Use `tables` (some nodes' rows) through `row_index` (ids -> rows)."""
 
     def discard(self) -> None:
         """Drop the last forward pass's state without folding it in (evaluation-only passes)."""

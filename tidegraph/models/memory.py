@@ -13,6 +13,12 @@ event (last-message aggregator, by a scatter-amax over event positions, so dupli
 race). The message function is TGN's identity: [own memory, other's memory, phi(t - last
 update), edge features]; the updater is TGN's GRU or JODIE's RNN. The node table grows with
 `grow(n)` as the stream brings new nodes.
+
+Compact tables (sharded node state): with `row_index` set (a callable from global node ids to
+rows), the tables hold only some nodes' rows and every lookup goes through it; message sources
+(`msg_other`) stay global ids. Graph shards keep their nodes' rows so, and a trainer installs
+the rows a step reads (`load_compact`). `apply_*` methods take `owned` (ids -> bool) to apply
+only the part of a step's updates that concerns a shard's own nodes.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from tidegraph.ops import gather_rows, latest_rows
 __all__ = ["TGNMemory"]
 
 _CELLS = {"gru": nn.GRUCell, "rnn": nn.RNNCell}
+_TABLES = ("memory", "last_update", "has_msg", "msg_other", "msg_t", "msg_feat")
 
 
 class TGNMemory(nn.Module):
@@ -42,7 +49,21 @@ class TGNMemory(nn.Module):
         self.edge_dim = edge_dim
         self.time_enc = TimeEncoder(time_dim)
         self.updater = _CELLS[cell](2 * memory_dim + time_dim + edge_dim, memory_dim)
+        self.row_index = None  # None: tables are indexed by node id
         self._alloc(num_nodes)
+
+    def _r(self, ids: torch.Tensor) -> torch.Tensor:
+        return ids if self.row_index is None else self.row_index(ids)
+
+    def tables(self) -> dict[str, torch.Tensor]:
+        """The live node-state tables (no copies)."""
+        return {k: getattr(self, k) for k in _TABLES}
+
+    def load_compact(self, row_index, tables: dict[str, torch.Tensor]) -> None:
+        """Use `tables` (rows of some nodes) through `row_index` from now on."""
+        for k in _TABLES:
+            setattr(self, k, tables[k])
+        self.row_index = row_index
 
     def _alloc(self, n: int, device: torch.device | None = None) -> None:
         f64 = dict(dtype=torch.float64, device=device)
@@ -80,15 +101,16 @@ class TGNMemory(nn.Module):
         Only rows with a pending message go through the updater (one host sync on CUDA for the
         row count); the others keep their memory unchanged.
         """
-        mem = gather_rows(self.memory, ids)
-        last = self.last_update.index_select(0, ids)
-        rows = self.has_msg.index_select(0, ids).nonzero().squeeze(1)
-        sub = ids.index_select(0, rows)
+        loc = self._r(ids)
+        mem = gather_rows(self.memory, loc)
+        last = self.last_update.index_select(0, loc)
+        rows = self.has_msg.index_select(0, loc).nonzero().squeeze(1)
+        sub = loc.index_select(0, rows)
         msg_t = self.msg_t.index_select(0, sub)
         own = gather_rows(mem, rows)
         parts = [
             own,
-            gather_rows(self.memory, self.msg_other.index_select(0, sub)),
+            gather_rows(self.memory, self._r(self.msg_other.index_select(0, sub))),
             self.time_enc((msg_t - last.index_select(0, rows)).float()),
         ]
         if self.edge_dim:
@@ -99,27 +121,40 @@ class TGNMemory(nn.Module):
     @torch.no_grad()
     def commit(self, ids: torch.Tensor, mem: torch.Tensor, last: torch.Tensor) -> None:
         """Write back what `updated(ids)` returned; `ids` must be unique."""
-        self.memory.index_copy_(0, ids, mem.detach().to(self.memory.dtype))
-        self.last_update.index_copy_(0, ids, last)
-        self.has_msg.index_fill_(0, ids, False)
+        loc = self._r(ids)
+        self.memory.index_copy_(0, loc, mem.detach().to(self.memory.dtype))
+        self.last_update.index_copy_(0, loc, last)
+        self.has_msg.index_fill_(0, loc, False)
 
     @torch.no_grad()
     def observe(
-        self, src: torch.Tensor, dst: torch.Tensor, t: torch.Tensor, feat: torch.Tensor | None
+        self,
+        src: torch.Tensor,
+        dst: torch.Tensor,
+        t: torch.Tensor,
+        feat: torch.Tensor | None,
+        owned=None,
     ) -> None:
-        """Store each node's latest event of this batch (ties: the later row) as its message."""
+        """Store each node's latest event of this batch (ties: the later row) as its message;
+        with `owned`, only for the nodes it accepts."""
         # rows interleaved (event i -> rows 2i, 2i+1) and stably ordered by time, so that the
         # latest event of a node is the one with the highest rank, ties going to the later row
         node = torch.stack([src, dst], 1).flatten()
         other = torch.stack([dst, src], 1).flatten()
         times = t.to(torch.float64).repeat_interleave(2)
-        uniq, row = latest_rows(node, times)
-        self.has_msg.index_fill_(0, uniq, True)
-        self.msg_other.index_copy_(0, uniq, other.index_select(0, row))
-        self.msg_t.index_copy_(0, uniq, times.index_select(0, row))
+        if owned is None:
+            uniq, row = latest_rows(node, times)
+        else:  # a node's rows keep their order, so its latest row is the same
+            keep = owned(node).nonzero().squeeze(1)
+            uniq, row = latest_rows(node.index_select(0, keep), times.index_select(0, keep))
+            row = keep.index_select(0, row)
+        loc = self._r(uniq)
+        self.has_msg.index_fill_(0, loc, True)
+        self.msg_other.index_copy_(0, loc, other.index_select(0, row))
+        self.msg_t.index_copy_(0, loc, times.index_select(0, row))
         if self.edge_dim and feat is not None:
             rows = gather_rows(feat.to(self.msg_feat.dtype), row // 2)
-            self.msg_feat.index_copy_(0, uniq, rows)
+            self.msg_feat.index_copy_(0, loc, rows)
 
     # ---- state ----------------------------------------------------------------------------
 

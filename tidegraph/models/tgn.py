@@ -34,7 +34,20 @@ class MemoryModel(TemporalModel):
         self._folded: list[tuple] = []  # stashes already folded into this replica (`fold`)
 
     def grow(self, num_nodes: int) -> None:
-        self.memory.grow(num_nodes)
+        if not self.external_state:
+            self.memory.grow(num_nodes)
+
+    # ---- sharded node state -------------------------------------------------------------------
+
+    def state_tables(self) -> dict[str, torch.Tensor]:
+        return self.memory.tables()
+
+    def load_compact_state(self, row_index, tables: dict) -> None:
+        self.memory.load_compact(row_index, tables)
+
+    def extra_state_ids(self, ids: torch.Tensor, tables: dict) -> torch.Tensor | None:
+        """Sources of pending messages among `ids`: their memory is read too."""
+        return tables["msg_other"][tables["has_msg"]]
 
     def fold(self) -> None:
         if self._stash is not None:
@@ -54,17 +67,20 @@ class MemoryModel(TemporalModel):
             out["events"] = (events.src, events.dst, events.t, feat)
         return out
 
-    def apply_updates(self, updates: list[dict | None]) -> None:
+    def apply_updates(self, updates: list[dict | None], owned=None) -> None:
         updates = [u for u in updates if u is not None]
         for u in updates:
             for ids, mem, last in u["rows"]:
+                if owned is not None:
+                    keep = owned(ids).nonzero().squeeze(1)
+                    ids, mem, last = (x.index_select(0, keep) for x in (ids, mem, last))
                 self.memory.commit(ids, mem, last)
         events = [u["events"] for u in updates if "events" in u]
         if not events:
             return
         src, dst, t = (torch.cat([e[i] for e in events]) for i in range(3))
         feat = None if events[0][3] is None else torch.cat([e[3] for e in events])
-        self.memory.observe(src, dst, t, feat)
+        self.memory.observe(src, dst, t, feat, owned)
 
     def discard(self) -> None:
         self._stash = None

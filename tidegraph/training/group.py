@@ -20,6 +20,7 @@ import logging
 
 import torch
 
+from tidegraph.models.config import build_model
 from tidegraph.rng import seed_for, stream
 from tidegraph.sampling.multihop import MultiHopSampler
 from tidegraph.storage.events import EventBatch
@@ -27,6 +28,7 @@ from tidegraph.storage.partition import build_partitioner, partition_report
 from tidegraph.training.fetch import ShardedFeatureStore
 from tidegraph.training.schedule import slice_bounds
 from tidegraph.training.shard import ShardCore, route_events
+from tidegraph.training.state import ShardedStateSource
 from tidegraph.training.trainer import TrainerCore
 
 __all__ = ["LocalGroup", "choose_memory_placement"]
@@ -64,17 +66,30 @@ class LocalGroup:
         self.config = config
         self.num_shards, self.num_trainers = c.shards, c.trainers
         self.partitioner = build_partitioner(c.partitioner, c.shards)
+        snaps = s.num_snapshots
+        window = s.snapshot_window if snaps > 1 else 0.0
+        with torch.random.fork_rng(devices=[]):  # models for their shapes: draw nothing global
+            probe = build_model(config.model, 1, edge_dim, num_snapshots=snaps)
+        row_bytes = _state_row_bytes(probe.state_tables())
+        expected = num_nodes if expected_nodes is None else expected_nodes
+        self.memory_placement = choose_memory_placement(c, expected, row_bytes)
+        sharded = self.memory_placement == "sharded" and row_bytes > 0
+        states = [None] * c.shards
+        if sharded:  # each shard's node-state tables, held by a model instance of its own
+            with torch.random.fork_rng(devices=[]):
+                states = [build_model(config.model, 0, edge_dim, num_snapshots=snaps)
+                          for _ in range(c.shards)]  # fmt: skip
         self.shards = [
             ShardCore(
                 p, c.shards, edge_dim=edge_dim, feature_precision=config.data.feature_precision,
                 strategy=s.strategy, seed=seed_for(config.seed, "sampler", p),
                 feature_seed=seed_for(config.seed, "features", p),
                 graph_device=config.graph_device, pin_memory=config.device.startswith("cuda"),
+                state_model=states[p],
             )
             for p in range(c.shards)
         ]  # fmt: skip
-        snaps = s.num_snapshots
-        window = s.snapshot_window if snaps > 1 else 0.0
+        self.state_shards = self.shards if sharded else None
         init = stream(config.seed, "model")  # every replica draws the same initial parameters
         self.trainers = []
         for w in range(c.trainers):
@@ -84,18 +99,9 @@ class LocalGroup:
             features = None
             if edge_dim:
                 features = ShardedFeatureStore(self.shards, edge_dim, config.data.feature_precision)
-            trainer = TrainerCore(
-                config, num_nodes, edge_dim, sampler, features, w, init.clone_state()
-            )
+            source = ShardedStateSource(self.shards, self._owner) if sharded else None
+            trainer = TrainerCore(config, num_nodes, edge_dim, sampler, features, w, init, source)
             self.trainers.append(trainer)
-        row_bytes = _state_row_bytes(self.trainers[0].model.node_state())
-        expected = num_nodes if expected_nodes is None else expected_nodes
-        self.memory_placement = choose_memory_placement(c, expected, row_bytes)
-        if self.memory_placement == "sharded":
-            raise NotImplementedError(
-                "cluster.memory: sharded node state is not implemented yet; use 'replicated' "
-                "(or raise cluster.memory_budget_mb so 'auto' picks it)"
-            )
 
     def _owner(self, ids: torch.Tensor) -> torch.Tensor:
         return self.partitioner.owner(ids)
@@ -107,9 +113,8 @@ class LocalGroup:
         self.partitioner.assign(events.src, events.dst)
         own_src = self.partitioner.owner(events.src)
         own_dst = self.partitioner.owner(events.dst)
-        for shard, piece in zip(
-            self.shards, route_events(events, own_src, own_dst, self.num_shards), strict=True
-        ):
+        pieces = route_events(events, own_src, own_dst, self.num_shards)
+        for shard, piece in zip(self.shards, pieces, strict=True):
             shard.ingest(piece)
         top = int(events.eid.max()) + 1 if len(events) else 0
         for trainer in self.trainers:
@@ -139,6 +144,8 @@ class LocalGroup:
         updates = [r["updates"] for r in results]
         for trainer in self.trainers:
             trainer.apply(grad, updates)
+        if self.state_shards is not None:
+            self._apply_state(updates)
         return sum(r["loss"] for r in results)
 
     def eval_step(
@@ -156,20 +163,37 @@ class LocalGroup:
             neg.append(n)
             updates.append(u)
         if observe:
-            for trainer in self.trainers:
-                trainer.apply_updates(updates)
+            self._apply_state(updates)
         return torch.cat(pos), torch.cat(neg)
+
+    def _apply_state(self, updates: list) -> None:
+        """All of a step's node-state updates, on every replica or at every shard."""
+        if self.state_shards is not None:
+            for shard in self.state_shards:
+                shard.apply_state(updates)
+            return
+        for trainer in self.trainers:
+            trainer.apply_updates(updates)
 
     # ---- node state and rounds ----------------------------------------------------------------
 
     def reset_state(self) -> None:
         for trainer in self.trainers:
             trainer.reset_state()
+        for shard in self.state_shards or ():
+            shard.reset_state()
 
     def node_state(self) -> dict:
+        """A copy of the node state (replica 0's, or every shard's)."""
+        if self.state_shards is not None:
+            return {"shards": [s.node_state_dict() for s in self.state_shards]}
         return self.trainers[0].node_state()
 
     def load_node_state(self, state: dict) -> None:
+        if self.state_shards is not None:
+            for shard, part in zip(self.state_shards, state["shards"], strict=True):
+                shard.load_node_state_dict(part)
+            return
         for trainer in self.trainers:
             trainer.load_node_state(state)
 

@@ -8,7 +8,8 @@
 - edge features of the eids it is responsible for, eid mod P == p, at local row eid // P. An
   edge's row is stored once, not at both endpoint owners, and any reader routes a fetch by the
   eid alone (which is what the trainers' feature caches key by);
-- its own sampler generator (`uniform` draws) and the count of distinct events it holds.
+- its own sampler generator (`uniform` draws) and the count of distinct events it holds;
+- with sharded node state (`state_model` given), its nodes' state rows (`ShardNodeState`).
 
 `route_events` cuts a batch of events into the pieces each shard ingests; the group (local or
 Ray) calls it once per batch and sends each shard only its piece.
@@ -25,6 +26,7 @@ from tidegraph.sampling.sampler import TemporalSampler
 from tidegraph.storage.events import EventBatch
 from tidegraph.storage.features import EncodedRows, HostFeatureStore
 from tidegraph.storage.graph import DynamicGraph
+from tidegraph.training.state import ShardNodeState
 
 __all__ = ["ShardBatch", "ShardCore", "route_events"]
 
@@ -84,6 +86,7 @@ class ShardCore:
         feature_seed: int = 0,
         graph_device: str = "cpu",
         pin_memory: bool = False,
+        state_model=None,
     ) -> None:
         if not 0 <= part < num_parts:
             raise ValueError(f"ShardCore: part must be in [0, {num_parts}), got {part}")
@@ -99,6 +102,7 @@ class ShardCore:
                 seed=feature_seed,
             )  # fmt: skip
         self.num_events = 0  # distinct events whose half-edges are here
+        self.node_state = None if state_model is None else ShardNodeState(state_model)
 
     # ---- ingest -----------------------------------------------------------------------------
 
@@ -108,6 +112,8 @@ class ShardCore:
         if self.features is not None and batch.feat is not None and batch.feat_eid.numel():
             local = batch.feat_eid // self.num_parts
             self.features.put(local, batch.feat)
+        if self.node_state is not None:
+            self.node_state.add_nodes(batch.node)
         g = self.graph.device
         if batch.node.numel():
             self.graph.add_edges(batch.node.to(g), batch.nbr.to(g), batch.t.to(g), batch.eid.to(g))
@@ -126,6 +132,23 @@ class ShardCore:
         if self.features is None:
             raise ValueError("ShardCore.fetch: this stream has no edge features")
         return self.features.fetch(eids // self.num_parts)
+
+    def read_state(self, ids: torch.Tensor, names: tuple[str, ...] | None = None) -> dict:
+        """Node-state rows of `ids` (nodes this shard owns), table by table."""
+        return self.node_state.read(ids, names)
+
+    def apply_state(self, updates: list) -> None:
+        """The part of one step's merged node-state updates that concerns this shard's nodes."""
+        self.node_state.apply(updates)
+
+    def reset_state(self) -> None:
+        self.node_state.reset()
+
+    def node_state_dict(self) -> dict:
+        return self.node_state.state_dict()
+
+    def load_node_state_dict(self, state: dict) -> None:
+        self.node_state.load_state_dict(state)
 
     @property
     def num_feature_rows(self) -> int:
@@ -150,6 +173,7 @@ class ShardCore:
             "sampler": self.sampler.state_dict(),
             "features": None if self.features is None else self.features.state_dict(),
             "num_events": self.num_events,
+            "node_state": None if self.node_state is None else self.node_state.state_dict(),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -163,3 +187,5 @@ class ShardCore:
         if self.features is not None:
             self.features.load_state_dict(state["features"])
         self.num_events = state["num_events"]
+        if self.node_state is not None:
+            self.node_state.load_state_dict(state["node_state"])

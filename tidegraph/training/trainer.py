@@ -49,6 +49,7 @@ class TrainerCore:
         features,
         rank: int = 0,
         init: torch.Generator | None = None,
+        state_source=None,
     ) -> None:
         self.config = config
         self.rank = rank
@@ -61,6 +62,9 @@ class TrainerCore:
             self.model: TemporalModel = build_model(
                 config.model, num_nodes, edge_dim, num_snapshots=snaps
             ).to(self.device)
+        # sharded node state: the model holds none of its own, each pass installs what it reads
+        self.state_source = state_source
+        self.model.external_state = state_source is not None
         d = config.data
         self.edge_cache = None
         if features is not None:
@@ -100,6 +104,8 @@ class TrainerCore:
         blocks = self.sampler.sample(roots, ts)
         blocks = _blocks_to(blocks, self.device)
         observe = join_edge_features(self.edge_cache, blocks, observe)
+        if self.state_source is not None:
+            self.state_source.install(self.model, roots, blocks)
         d = self.device
         scores = self.model.score(ev.src.to(d), ev.dst.to(d), neg_BQ.to(d), ev.t.to(d), blocks)
         return scores, observe
@@ -137,12 +143,14 @@ class TrainerCore:
         )
 
     def apply(self, reduced_grad: torch.Tensor, updates: list) -> None:
-        """Optimizer step with the reduced gradient, then every slice's node-state updates."""
+        """Optimizer step with the reduced gradient, then every slice's node-state updates
+        (which shards apply instead when they hold the node state)."""
         flat = self.optimizer.flat_grad
         if reduced_grad is not flat:
             flat.copy_(reduced_grad)
         self.optimizer.step()
-        self.model.apply_updates(updates)
+        if self.state_source is None:
+            self.model.apply_updates(updates)
 
     @torch.no_grad()
     def eval_slice(
@@ -174,7 +182,8 @@ class TrainerCore:
     # ---- node state -------------------------------------------------------------------------
 
     def apply_updates(self, updates: list) -> None:
-        self.model.apply_updates(updates)
+        if self.state_source is None:
+            self.model.apply_updates(updates)
 
     def reset_state(self) -> None:
         self.model.reset_state()
@@ -190,13 +199,25 @@ class TrainerCore:
         if self.edge_cache is not None:
             self.edge_cache.restore(eids)
 
+    def _scratch_keys(self) -> set[str]:
+        """State-dict keys of node-state tables that are only a pass's scratch copy (sharded
+        placement: the shards own node state)."""
+        if self.state_source is None:
+            return set()
+        ptrs = {t.data_ptr() for t in self.model.state_tables().values()}
+        return {k for k, v in self.model.state_dict().items() if v.data_ptr() in ptrs}
+
+    def _model_state(self) -> dict:
+        scratch = self._scratch_keys()
+        return {k: v for k, v in self.model.state_dict().items() if k not in scratch}
+
     # ---- state ------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
         cache = self.edge_cache
         return {
             "rank": self.rank,
-            "model": self.model.state_dict(),
+            "model": self._model_state(),
             "optimizer": self.optimizer.state_dict(),
             "edge_cache": None if cache is None else cache.state_dict(),
             "features": None if cache is None else cache.store.state_dict(),
@@ -204,7 +225,14 @@ class TrainerCore:
 
     def load_state_dict(self, state: dict) -> None:
         params = self._param_ids()
-        self.model.load_state_dict(state["model"])  # in place, unless a node table grew
+        # in place, unless a node table grew; without node-state tables when shards hold them
+        missing, unexpected = self.model.load_state_dict(state["model"], strict=False)
+        scratch = self._scratch_keys()
+        if unexpected or set(missing) - scratch:
+            raise ValueError(
+                f"TrainerCore.load_state_dict: model state does not fit this model (missing "
+                f"{sorted(set(missing) - scratch)}, unexpected {sorted(unexpected)})"
+            )
         if params != self._param_ids():
             self.new_optimizer()
         self.optimizer.load_state_dict(state["optimizer"])

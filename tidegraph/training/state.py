@@ -1,0 +1,169 @@
+"""Sharded node state: graph shards own their nodes' state rows, trainers pull them per step.
+
+With `cluster.memory = "sharded"` no trainer holds a node-state table. Each shard keeps the
+rows of the nodes it owns (`ShardNodeState`: a model instance used only for its node-state
+tables, compact, through a dense id -> row map) and applies, after every global step, the part
+of the step's merged updates that concerns its nodes (the same `apply_updates` code as a
+replica, restricted with `owned`). Before a forward pass a trainer reads the rows that pass
+needs (`ShardedStateSource.read`: one request per shard; TGN and JODIE add a second, for the
+memory of pending messages' sources) and installs them as compact tables. Every slice of step s
+thus reads S(s-1) from the shards, and all of step s lands at the shards before step s + 1
+reads: the semantics of replicated state, with state memory divided by P instead of multiplied
+by W.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["DenseRowIndex", "ShardNodeState", "ShardedStateSource", "SortedRowIndex"]
+
+
+class SortedRowIndex:
+    """Rows of a compact table whose node ids are `ids` (sorted, distinct)."""
+
+    def __init__(self, ids: torch.Tensor) -> None:
+        self.ids = ids
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.searchsorted(self.ids, ids)
+
+
+class DenseRowIndex:
+    """A growing id -> row map (8 bytes per id up to the largest id added)."""
+
+    def __init__(self) -> None:
+        self.row_of = torch.empty(0, dtype=torch.int64)
+        self.size = 0
+
+    def add(self, ids: torch.Tensor) -> None:
+        """Give each id without a row the next row, in order of first appearance."""
+        ids = ids.cpu()
+        if ids.numel() == 0:
+            return
+        top = int(ids.max()) + 1
+        if top > self.row_of.shape[0]:
+            pad = self.row_of.new_full((top - self.row_of.shape[0],), -1)
+            self.row_of = torch.cat([self.row_of, pad])
+        uniq, first = _first_appearance(ids)
+        new = uniq[self.row_of[uniq] < 0]
+        order = torch.argsort(first[self.row_of[uniq] < 0], stable=True)
+        new = new[order]
+        self.row_of[new] = torch.arange(self.size, self.size + new.shape[0])
+        self.size += int(new.shape[0])
+
+    def contains(self, ids: torch.Tensor) -> torch.Tensor:
+        inside = ids < self.row_of.shape[0]
+        rows = self.row_of[torch.where(inside, ids, 0)] if self.row_of.numel() else ids * 0 - 1
+        return inside & (rows >= 0)
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.row_of[ids]
+
+    def state_dict(self) -> dict:
+        return {"row_of": self.row_of.clone(), "size": self.size}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.row_of = state["row_of"].clone()
+        self.size = state["size"]
+
+
+def _first_appearance(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    uniq, inv = torch.unique(ids, return_inverse=True)
+    first = torch.full_like(uniq, ids.shape[0])
+    first.scatter_reduce_(0, inv, torch.arange(ids.shape[0]), reduce="amin")
+    return uniq, first
+
+
+class ShardNodeState:
+    """A shard's node-state rows: `model` (built for no nodes) serves only its state tables."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.index = DenseRowIndex()
+        self.model.load_compact_state(self.index, self.model.state_tables())
+
+    def add_nodes(self, ids: torch.Tensor) -> None:
+        before = self.index.size
+        self.index.add(ids)
+        if self.index.size > before:
+            self._grow(self.index.size)
+
+    def _grow(self, rows: int) -> None:
+        self.model.row_index = None  # grow pads whole tables with empty rows
+        self.model.grow(rows)
+        self.model.load_compact_state(self.index, self.model.state_tables())
+
+    def read(self, ids: torch.Tensor, names: tuple[str, ...] | None = None) -> dict:
+        rows = self.index(ids)
+        tables = self.model.state_tables()
+        return {k: v.index_select(0, rows) for k, v in tables.items() if not names or k in names}
+
+    def apply(self, updates: list) -> None:
+        self.model.apply_updates(updates, owned=self.index.contains)
+
+    def reset(self) -> None:
+        self.model.reset_state()
+
+    def state_dict(self) -> dict:
+        tables = {k: v.clone() for k, v in self.model.state_tables().items()}
+        return {"index": self.index.state_dict(), "tables": tables}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.index.load_state_dict(state["index"])
+        tables = {k: v.clone() for k, v in state["tables"].items()}
+        self.model.load_compact_state(self.index, tables)
+
+
+class ShardedStateSource:
+    """Reads node-state rows from the shards that own them (one request per shard)."""
+
+    def __init__(self, shards: list, owner) -> None:
+        self.shards = list(shards)
+        self.owner = owner
+        self.requests = 0
+
+    def read(self, ids: torch.Tensor, names: tuple[str, ...] | None = None) -> dict:
+        if len(self.shards) == 1:
+            self.requests += 1
+            return self.shards[0].read_state(ids, names)
+        own = self.owner(ids)
+        out: dict[str, torch.Tensor] = {}
+        for p, shard in enumerate(self.shards):
+            idx = (own == p).nonzero().squeeze(1)
+            if idx.numel() == 0:
+                continue
+            self.requests += 1
+            part = shard.read_state(ids.index_select(0, idx), names)
+            for k, v in part.items():
+                if k not in out:
+                    out[k] = v.new_empty((ids.shape[0],) + tuple(v.shape[1:]))
+                out[k].index_copy_(0, idx, v)
+        return out
+
+    def install(self, model, roots: torch.Tensor, blocks: list) -> None:
+        """Install in `model` the compact state its forward over `blocks` reads."""
+        ids = model.state_ids(roots, blocks)
+        tables = self.read(ids)
+        extra = model.extra_state_ids(ids, tables)
+        if extra is not None:
+            extra = torch.unique(extra)
+            extra = extra[~_isin_sorted(extra, ids)]
+        if extra is not None and extra.numel():
+            memory = self.read(extra, ("memory",))["memory"]
+            all_ids, order = torch.sort(torch.cat([ids, extra]))
+            full = {}
+            for k, v in tables.items():
+                pad = v.new_zeros((extra.shape[0],) + tuple(v.shape[1:]))
+                if k == "memory":
+                    pad = memory.to(v.dtype)
+                full[k] = torch.cat([v, pad]).index_select(0, order)
+            ids, tables = all_ids, full
+        model.load_compact_state(SortedRowIndex(ids), tables)
+
+
+def _isin_sorted(x: torch.Tensor, sorted_ids: torch.Tensor) -> torch.Tensor:
+    if sorted_ids.numel() == 0:
+        return torch.zeros_like(x, dtype=torch.bool)
+    pos = torch.searchsorted(sorted_ids, x).clamp(max=sorted_ids.shape[0] - 1)
+    return sorted_ids[pos] == x
