@@ -1,24 +1,21 @@
 """Small tensor helpers shared by the hot paths.
 
 `gather_rows(x, index)` is `x[index]` for an integer index of any shape, through
-`index_select`. On the CPU, PyTorch's advanced indexing is 2-8x slower than `index_select`
-(torch 2.13 here: 5,136 rows of 200 floats out of 850 took 861 us against 106 us; 600k scalars
-out of a 32M-element array 25 ms against 6.5 ms), and its backward (`index_put_` with
-accumulate) 3x slower than `index_add_`. On CUDA both are one gather kernel, and `index_select`'s
+`index_select`. On the CPU, PyTorch's advanced indexing is several times slower than
+`index_select`, and its backward (`index_put_` with accumulate) slower than `index_add_`
+(figures in benchmarks/RESULTS.md). On CUDA both are one gather kernel, and `index_select`'s
 backward is deterministic when `torch.use_deterministic_algorithms` is on.
 
 `slot_linear(lin, x, precision)` is `lin(x)` without bias, in bfloat16 where asked and the
 device multiplies bfloat16 natively (`native_bf16`): the per-neighbour-slot projections of the
-attention layers are the largest matrix products of a step (on CollegeMsg, TGN: [4,386, 100] x
-[100, 100] forward and its weight gradient, 3.1 of 15 ms), and on the dev box's AVX512-BF16 core
-a bfloat16 product of that shape takes 684 us against 1,489 us in float32 (rows padded to a
-multiple of 512 so that oneDNN reuses its kernels across batches). An input without gradient
+attention layers are the largest matrix products of a step, and on CPUs with AVX512-BF16 a
+bfloat16 product of that shape takes about half the float32 time (rows padded to a multiple of
+512 so that oneDNN reuses its kernels across batches). An input without gradient
 (fixed time encodings, stored edge features) goes through one autograd function that casts each
 operand once into a padded buffer and computes only the weight gradient.
 
-`bf16_cos_(x)` is the cosine those bfloat16 products need, 2e-6 from `torch.cos` and ~2x faster
-on the CPU for the large arguments of time encodings (in the training loop: 622 against 956 us
-per batch's slot encodings on CollegeMsg).
+`bf16_cos_(x)` is the cosine those bfloat16 products need, 2e-6 from `torch.cos` and faster on
+the CPU for the large arguments of time encodings (measured in benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -43,8 +40,8 @@ __all__ = [
 
 SLOT_PRECISIONS = ("auto", "fp32", "bf16")
 # bf16 products on the CPU pad their rows to a multiple of this: oneDNN creates a kernel for
-# each new shape, and per-slot row counts change every batch ([4,386, 100] x [100, 100] with
-# varying rows: 1,670 us unpadded, 684 us padded, fp32 1,489 us on the dev box)
+# each new shape, and per-slot row counts change every batch (unpadded, varying row counts
+# were slower than float32)
 _CPU_ROW_BUCKET = 512
 # cos(r) for r in [-pi, pi] as an even polynomial in r^2 of degree 5 (least squares on 4,001
 # Chebyshev nodes, float64; evaluated in float32 its error is at most 1.2e-6)
@@ -83,11 +80,11 @@ def latest_rows(keys: torch.Tensor, times: torch.Tensor) -> tuple[torch.Tensor, 
 
 def bf16_cos_(x: torch.Tensor) -> torch.Tensor:
     """cos(x) to within bfloat16's resolution, overwriting `x` (no autograd): x reduced modulo
-    2 pi by a two-constant (Cody-Waite) subtraction, then `_COS_POLY`. On the CPU this is 1.5-3x
+    2 pi by a two-constant (Cody-Waite) subtraction, then `_COS_POLY`. On the CPU this is
     faster than `torch.cos`, whose accurate (Sleef u10) path slows down for arguments beyond
     125 and again beyond 39,000, which time differences in seconds times the unit frequency
     reach. Error against `torch.cos(x)`: 2e-6 for |x| < 1e6 where the device rounds the
-    reduction's multiply-add once (the dev box's CPU does; elsewhere up to ~|x| * 6e-8). For
+    reduction's multiply-add once (CPUs with FMA do; elsewhere up to ~|x| * 6e-8). For
     inputs that only a bfloat16 product consumes (per-slot time encodings on the CPU)."""
     n = torch.mul(x, 1.0 / (2.0 * math.pi)).round_()
     r = torch.add(x, n, alpha=-_TWO_PI_HI).add_(n, alpha=-_TWO_PI_LO)

@@ -35,12 +35,12 @@ class ModelConfig:
     heads: int = 2
     num_layers: int | None = None
     # False (default): fixed time-encoding frequencies, as GraphMixer recommends; on wikipedia it
-    # gave higher AP than trainable ones and a ~1.5x faster TGN epoch (no backward through the
+    # gave higher AP than trainable ones and a faster TGN epoch (no backward through the
     # cosines of every neighbour slot). True: trained as in the TGN and TGAT papers.
     time_trainable: bool = False
     # precision of the attention layers' per-neighbour-slot time and edge projections, their
     # largest matrix products: "auto" multiplies them in bfloat16 on devices that do so natively
-    # (CUDA Ampere+, CPUs with AVX512-BF16/AMX; 6-11% faster TGN and TGAT steps on the dev box,
+    # (CUDA Ampere+, CPUs with AVX512-BF16/AMX; faster TGN and TGAT steps, see RESULTS.md,
     # same AP), float32 elsewhere; "fp32" and "bf16" force one. With bf16 on the CPU the time
     # encodings feeding them use a cosine accurate to bf16 (`tidegraph.ops.bf16_cos_`)
     slot_precision: str = "auto"

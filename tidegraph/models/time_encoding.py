@@ -30,8 +30,8 @@ class TimeEncoder(nn.Module):
 
     def forward(self, dt: torch.Tensor, bf16_consumer: bool = False) -> torch.Tensor:
         """phi(dt); `bf16_consumer`: the result only feeds a bfloat16 product, so on the CPU
-        and without autograd the cosine may be `bf16_cos_`'s (2e-6 from `torch.cos`, ~1.5x
-        faster per batch in training)."""
+        and without autograd the cosine may be `bf16_cos_`'s (2e-6 from `torch.cos`, and
+        faster for the large arguments of time differences)."""
         x = torch.addcmul(self.bias, dt.to(self.weight.dtype).unsqueeze(-1), self.weight)
         if bf16_consumer and x.device.type == "cpu" and not x.requires_grad:
             return bf16_cos_(x)

@@ -4,9 +4,8 @@
 a view of it (`p.data`), and gives each a gradient that is a view of one flat gradient buffer
 (`p.grad`); backward accumulates into those views in place, and one fused Adam step updates the
 whole buffer. Against Adam over the separate tensors this saves the per-parameter Python work of
-every step (grouping, state lookups, setting gradients to None): on the dev box's TGN (24
-tensors, 222k values) the step and zero_grad went from 0.93 to 0.52 ms of a ~15 ms training
-step. A later all-reduce can then ship `flat_grad` as one tensor.
+every step (grouping, state lookups, setting gradients to None; measured in
+benchmarks/RESULTS.md). An all-reduce ships `flat_grad` as one tensor.
 
 Semantics against `torch.optim.Adam(..., fused=True)` with `zero_grad(set_to_none=True)`: the
 same arithmetic per value, except that a parameter that took no part in a step (a GRU with no
