@@ -93,8 +93,12 @@ class MultiHopSampler:
         num_snapshots: int = 1,
         snapshot_window: float = 0.0,
         dedup: bool = False,
+        gather=None,
     ) -> None:
         self.shards = list(shards)
+        # remote shards answer with futures: `gather` waits for a list of them at once, so the
+        # requests of one hop run on all shards concurrently
+        self.gather = gather or (lambda xs: xs)
         self.owner = owner
         self.fanouts = [int(k) for k in fanouts]
         self.num_snapshots = num_snapshots
@@ -113,16 +117,18 @@ class MultiHopSampler:
     def _hop(self, roots, t_hi, k, t_lo) -> Block:
         if len(self.shards) == 1:
             self.requests += 1
-            return self.shards[0].sample_hop(roots, t_hi, k, t_lo)
+            return self.gather([self.shards[0].sample_hop(roots, t_hi, k, t_lo)])[0]
         own = self.owner(roots)
-        parts = []
+        index, asked = [], []
         for p, shard in enumerate(self.shards):
             idx = (own == p).nonzero().squeeze(1)
             if idx.numel() == 0:
                 continue
             lo = None if t_lo is None else t_lo.index_select(0, idx)
             self.requests += 1
-            parts.append((idx, shard.sample_hop(roots.index_select(0, idx), t_hi[idx], k, lo)))
+            index.append(idx)
+            asked.append(shard.sample_hop(roots.index_select(0, idx), t_hi[idx], k, lo))
+        parts = list(zip(index, self.gather(asked), strict=True))
         return merge_blocks(roots, t_hi, k, parts)
 
 

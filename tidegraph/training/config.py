@@ -154,14 +154,14 @@ class ContinualConfig:
 
 
 MEMORY_PLACEMENTS = ("auto", "replicated", "sharded")
-BACKENDS = ("local",)
+BACKENDS = ("local", "ray")
 
 
 @dataclass(kw_only=True)
 class ClusterConfig:
     """Shards and trainers: P graph shards, W data-parallel trainers (DESIGN.md)."""
 
-    backend: str = "local"  # local: every shard and trainer in this process
+    backend: str = "local"  # local: every shard and trainer in this process; ray: actors
     trainers: int = 1
     shards: int = 1
     partitioner: str = "hash"  # or "ldg" (streaming linear deterministic greedy)
@@ -169,6 +169,11 @@ class ClusterConfig:
     # "auto": replicated while nodes x state bytes per node fit memory_budget_mb
     memory: str = "auto"
     memory_budget_mb: float = 2048.0
+    # Ray backend: logical CPUs per trainer and per shard actor (a GPU per trainer on CUDA),
+    # and the limit of any collective between trainers (a hung peer fails the step then)
+    trainer_cpus: float = 1.0
+    shard_cpus: float = 0.5
+    collective_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -187,6 +192,9 @@ class ClusterConfig:
             )
         if not self.memory_budget_mb > 0:
             raise ValueError(f"cluster.memory_budget_mb must be > 0, got {self.memory_budget_mb}")
+        for name in ("trainer_cpus", "shard_cpus", "collective_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"cluster.{name} must be > 0, got {getattr(self, name)}")
 
 
 _SECTIONS = {
@@ -213,6 +221,7 @@ class RunConfig:
     device: str = "cpu"
     graph_device: str | None = None  # where the graph lives and sampling runs; None: device
     out_dir: str | None = "runs/latest"
+    run_name: str | None = None  # names the run's Ray namespace (None: "tidegraph")
     progress: bool = True
     # torch CPU threads, set by the job entry point; 1 is fastest on small CPU boxes (these
     # batches are small, and threads thrash when other processes compete); None: torch's default

@@ -60,7 +60,9 @@ log = logging.getLogger(__name__)
 class ContinualLearner:
     """Phase 1, then `step()` per increment; plain class, state in `state_dict()`."""
 
-    def __init__(self, config: RunConfig, stream: Stream | None = None) -> None:
+    def __init__(self, config: RunConfig, stream: Stream | None = None, group=None) -> None:
+        """`group`: a callable (config, num_nodes, edge_dim, expected_nodes=...) -> group;
+        None: the backend `config.cluster.backend` names (`LocalGroup`, or Ray actors)."""
         self.config = config
         self.device = torch.device(config.device)
         d = config.data
@@ -70,9 +72,8 @@ class ContinualLearner:
         self.events = self.stream.events
         # node tables start empty and grow with the nodes seen; the placement rule sizes node
         # state by the stream's node count
-        self.group = LocalGroup(
-            config, 0, self.stream.edge_dim, expected_nodes=self.stream.num_nodes
-        )
+        make = group or _backend(config.cluster.backend)
+        self.group = make(config, 0, self.stream.edge_dim, expected_nodes=self.stream.num_nodes)
         self.num_nodes = 0  # one past the largest node id ingested
         self.slot_precision = resolved_slot_precision(config.model.slot_precision, self.device)
         log.info("attention slot projections in %s on %s", self.slot_precision, self.device)
@@ -188,8 +189,8 @@ class ContinualLearner:
             "eval_events_per_s": (end - start) / eval_s,
             "train_events_per_s": (end - start + n_replay) * c.retrain_epochs / max(train_s, 1e-9),
         }
-        if self.edge_cache is not None:  # cumulative feature-cache figures, for metrics
-            stats = self.edge_cache.stats()
+        stats = self.group.cache_stats()
+        if stats is not None:  # cumulative feature-cache figures, for metrics
             for key in ("hit_rate", "bytes_h2d", "lookup_seconds", "capacity"):
                 record[f"edge_cache_{key}"] = stats[key]
         self.cursor.increment += 1
@@ -358,6 +359,14 @@ class ContinualLearner:
             path.parent.mkdir(parents=True, exist_ok=True)
             with path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
+
+
+def _backend(name: str):
+    if name == "ray":
+        from tidegraph.orchestrator.ray_group import RayGroup
+
+        return RayGroup
+    return LocalGroup
 
 
 def _fmt(metrics: dict) -> str:

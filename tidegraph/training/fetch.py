@@ -24,8 +24,9 @@ class ShardedFeatureStore(FeatureStore):
     stream and is set by whoever ingests (`set_num_rows`), so asking needs no round trip.
     """
 
-    def __init__(self, shards: list, dim: int, precision: str = "fp32") -> None:
+    def __init__(self, shards: list, dim: int, precision: str = "fp32", gather=None) -> None:
         self.shards = list(shards)
+        self.gather = gather or (lambda xs: xs)  # waits for remote shards' answers at once
         self.dim = dim
         self.precision = precision
         self._num_rows = 0
@@ -43,15 +44,18 @@ class ShardedFeatureStore(FeatureStore):
         p = len(self.shards)
         if p == 1:
             self.requests += 1
-            return self.shards[0].fetch(ids)
+            return self.gather([self.shards[0].fetch(ids)])[0]
         own = torch.remainder(ids, p)
         data, scale = None, None
+        index, asked = [], []
         for q, shard in enumerate(self.shards):
             idx = (own == q).nonzero().squeeze(1)
             if idx.numel() == 0:
                 continue
             self.requests += 1
-            rows = shard.fetch(ids.index_select(0, idx))
+            index.append(idx)
+            asked.append(shard.fetch(ids.index_select(0, idx)))
+        for idx, rows in zip(index, self.gather(asked), strict=True):
             if data is None:
                 data = rows.data.new_empty((ids.shape[0], self.dim))
                 if rows.scale is not None:
@@ -60,7 +64,7 @@ class ShardedFeatureStore(FeatureStore):
             if scale is not None:
                 scale.index_copy_(0, idx, rows.scale)
         if data is None:  # no ids
-            return self.shards[0].fetch(ids)
+            return self.gather([self.shards[0].fetch(ids)])[0]
         return EncodedRows(data, scale)
 
     def get(self, ids: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,7 @@ from tidegraph.training.shard import ShardCore, route_events
 from tidegraph.training.state import ShardedStateSource
 from tidegraph.training.trainer import TrainerCore
 
-__all__ = ["LocalGroup", "choose_memory_placement"]
+__all__ = ["LocalGroup", "build_trainer", "choose_memory_placement", "state_row_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -67,10 +67,7 @@ class LocalGroup:
         self.num_shards, self.num_trainers = c.shards, c.trainers
         self.partitioner = build_partitioner(c.partitioner, c.shards)
         snaps = s.num_snapshots
-        window = s.snapshot_window if snaps > 1 else 0.0
-        with torch.random.fork_rng(devices=[]):  # models for their shapes: draw nothing global
-            probe = build_model(config.model, 1, edge_dim, num_snapshots=snaps)
-        row_bytes = _state_row_bytes(probe.state_tables())
+        row_bytes = state_row_bytes(config, edge_dim)
         expected = num_nodes if expected_nodes is None else expected_nodes
         self.memory_placement = choose_memory_placement(c, expected, row_bytes)
         sharded = self.memory_placement == "sharded" and row_bytes > 0
@@ -90,18 +87,10 @@ class LocalGroup:
             for p in range(c.shards)
         ]  # fmt: skip
         self.state_shards = self.shards if sharded else None
-        init = stream(config.seed, "model")  # every replica draws the same initial parameters
-        self.trainers = []
-        for w in range(c.trainers):
-            sampler = MultiHopSampler(
-                self.shards, self._owner, s.fanouts, snaps, window, dedup=s.dedup
-            )
-            features = None
-            if edge_dim:
-                features = ShardedFeatureStore(self.shards, edge_dim, config.data.feature_precision)
-            source = ShardedStateSource(self.shards, self._owner) if sharded else None
-            trainer = TrainerCore(config, num_nodes, edge_dim, sampler, features, w, init, source)
-            self.trainers.append(trainer)
+        self.trainers = [
+            build_trainer(config, w, self.shards, self._owner, num_nodes, edge_dim, sharded)
+            for w in range(c.trainers)
+        ]
 
     def _owner(self, ids: torch.Tensor) -> torch.Tensor:
         return self.partitioner.owner(ids)
@@ -205,6 +194,18 @@ class LocalGroup:
         for trainer in self.trainers:
             trainer.restore_cache(eids)
 
+    def model_state(self) -> dict:
+        """Replica 0's model state (parameters, and node state when replicated)."""
+        return self.trainers[0].model.state_dict()
+
+    def cache_stats(self) -> dict | None:
+        """Replica 0's edge-feature cache figures (None without edge features)."""
+        cache = self.trainers[0].edge_cache
+        return None if cache is None else cache.stats()
+
+    def shutdown(self) -> None:
+        """Nothing to release in one process."""
+
     def report(self, src: torch.Tensor, dst: torch.Tensor) -> dict:
         """Partition quality over the events so far, and per-shard event counts."""
         nodes = int(torch.maximum(src.max(), dst.max())) + 1 if src.numel() else 0
@@ -230,5 +231,34 @@ class LocalGroup:
             trainer.load_state_dict(s)
 
 
-def _state_row_bytes(state: dict) -> int:
-    return sum(x[:1].numel() * x.element_size() for x in state.values() if x.dim() >= 1)
+def state_row_bytes(config, edge_dim: int) -> int:
+    """Bytes of node state per node of the configured model (0: no node state)."""
+    with torch.random.fork_rng(devices=[]):  # a model for its shapes: draw nothing global
+        probe = build_model(config.model, 1, edge_dim, num_snapshots=config.sampler.num_snapshots)
+    tables = probe.state_tables().values()
+    return sum(x[:1].numel() * x.element_size() for x in tables if x.dim() >= 1)
+
+
+def build_trainer(
+    config,
+    rank: int,
+    shards: list,
+    owner,
+    num_nodes: int,
+    edge_dim: int,
+    sharded: bool,
+    gather=None,
+) -> TrainerCore:
+    """Trainer `rank` wired to `shards` (cores, or proxies of remote ones whose answers
+    `gather` waits for): sampler, edge-feature store and, when sharded, node-state source."""
+    s = config.sampler
+    snaps = s.num_snapshots
+    window = s.snapshot_window if snaps > 1 else 0.0
+    sampler = MultiHopSampler(shards, owner, s.fanouts, snaps, window, s.dedup, gather)
+    features = None
+    if edge_dim:
+        precision = config.data.feature_precision
+        features = ShardedFeatureStore(shards, edge_dim, precision, gather)
+    source = ShardedStateSource(shards, owner, gather) if sharded else None
+    init = stream(config.seed, "model")  # every replica draws the same initial parameters
+    return TrainerCore(config, num_nodes, edge_dim, sampler, features, rank, init, source)

@@ -118,23 +118,27 @@ class ShardNodeState:
 class ShardedStateSource:
     """Reads node-state rows from the shards that own them (one request per shard)."""
 
-    def __init__(self, shards: list, owner) -> None:
+    def __init__(self, shards: list, owner, gather=None) -> None:
         self.shards = list(shards)
         self.owner = owner
+        self.gather = gather or (lambda xs: xs)  # waits for remote shards' answers at once
         self.requests = 0
 
     def read(self, ids: torch.Tensor, names: tuple[str, ...] | None = None) -> dict:
         if len(self.shards) == 1:
             self.requests += 1
-            return self.shards[0].read_state(ids, names)
+            return self.gather([self.shards[0].read_state(ids, names)])[0]
         own = self.owner(ids)
         out: dict[str, torch.Tensor] = {}
+        index, asked = [], []
         for p, shard in enumerate(self.shards):
             idx = (own == p).nonzero().squeeze(1)
             if idx.numel() == 0:
                 continue
             self.requests += 1
-            part = shard.read_state(ids.index_select(0, idx), names)
+            index.append(idx)
+            asked.append(shard.read_state(ids.index_select(0, idx), names))
+        for idx, part in zip(index, self.gather(asked), strict=True):
             for k, v in part.items():
                 if k not in out:
                     out[k] = v.new_empty((ids.shape[0],) + tuple(v.shape[1:]))

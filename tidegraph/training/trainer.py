@@ -72,18 +72,17 @@ class TrainerCore:
                 features, ratio=d.feature_cache_ratio, policy=d.feature_cache_policy,
                 device=self.device,
             )  # fmt: skip
-        self.optimizer = self.new_optimizer()
+        self.new_optimizer()
         t = config.train
         self.train_negatives, self.eval_negatives = t.train_negatives, t.eval_negatives
         self.eval_max_roots = t.eval_max_roots
 
     # ---- parameters -------------------------------------------------------------------------
 
-    def new_optimizer(self) -> FlatAdam:
+    def new_optimizer(self) -> None:
         # fused Adam over one flat buffer: one kernel and no per-parameter Python per step
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = FlatAdam(params, lr=self.config.train.lr)
-        return self.optimizer
 
     def _param_ids(self) -> list[int]:
         return [id(p) for p in self.model.parameters()]
@@ -141,6 +140,29 @@ class TrainerCore:
         return SliceResult(
             grad=self.optimizer.flat_grad, loss=float(loss.detach()), updates=updates
         )
+
+    def train_and_step(
+        self,
+        ev: EventBatch,
+        weight: torch.Tensor | None,
+        neg_BQ: torch.Tensor,
+        num_observe: int,
+        global_size: int,
+        collective,
+    ) -> tuple[float, dict | None]:
+        """A whole data-parallel step in a group of trainers: this slice's gradient, summed
+        over the group by `collective` (an empty slice contributes zeros), then the optimizer
+        step. Returns the slice's loss and node-state updates; `apply_updates` with every
+        slice's updates completes the step."""
+        if len(ev):
+            result = self.train_slice(ev, weight, neg_BQ, num_observe, global_size)
+            loss, updates = result["loss"], result["updates"]
+        else:
+            self.optimizer.zero_grad()
+            loss, updates = 0.0, None
+        collective.allreduce_sum_(self.optimizer.flat_grad)
+        self.optimizer.step()
+        return loss, updates
 
     def apply(self, reduced_grad: torch.Tensor, updates: list) -> None:
         """Optimizer step with the reduced gradient, then every slice's node-state updates

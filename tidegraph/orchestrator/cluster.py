@@ -1,0 +1,41 @@
+"""Joining a Ray cluster, or starting a local one sized for the run.
+
+`connect(config)`: with `RAY_ADDRESS` set (a cluster, or inside `ray job submit`) join it;
+otherwise start a local Ray bound to 127.0.0.1 with enough logical CPUs for the run's actors
+(trainers x `trainer_cpus` + shards x `shard_cpus`, at least the machine's cores). Works with
+Ray's token authentication on or off (a local start makes its own token; a cluster's is read
+from the environment or ~/.ray as Ray does).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+
+import ray
+
+__all__ = ["connect"]
+
+log = logging.getLogger(__name__)
+
+
+def connect(config) -> bool:
+    """Make Ray available to this process; returns True when it started a local instance."""
+    if ray.is_initialized():
+        return False
+    namespace = config.run_name or "tidegraph"
+    address = os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, namespace=namespace)
+        log.info("joined the Ray cluster at %s (namespace %r)", address, namespace)
+        return False
+    c = config.cluster
+    need = math.ceil(c.trainers * c.trainer_cpus + c.shards * c.shard_cpus)
+    cpus = max(os.cpu_count() or 1, need)
+    ray.init(
+        _node_ip_address="127.0.0.1", num_cpus=cpus, namespace=namespace,
+        include_dashboard=False, configure_logging=False,
+    )  # fmt: skip
+    log.info("started a local Ray with %d logical CPUs (namespace %r)", cpus, namespace)
+    return True

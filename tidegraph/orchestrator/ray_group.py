@@ -1,0 +1,276 @@
+"""`RayGroup`: the shards and trainers of a run as Ray actors, with `LocalGroup`'s interface.
+
+Placement: shards in a SPREAD placement group (one bundle of `cluster.shard_cpus` each, on
+different nodes where there are several), trainers in a PACK group (one bundle of
+`cluster.trainer_cpus`, and a GPU on CUDA, each). The trainers rendezvous through the
+coordinator actor's store and sum gradients with an all-reduce inside the step; the driver
+only routes events, hands out slices and passes each step's node-state updates (object refs,
+never copied through the driver) to every trainer, or to every shard when shards hold node
+state. Per trainer and step: one request per shard per hop to sample, one per shard for
+features, and with sharded node state one or two per shard for state rows.
+
+Ordering: calls from the driver to one actor run in order, so a trainer applies step s's
+updates before it trains step s + 1. Shards are called by trainers too, so whatever the driver
+sends shards (ingest, sharded state updates) is waited for before the next step starts.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import ray
+import torch
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from tidegraph.actors import CoordinatorActor, GraphShardActor, TrainerActor
+from tidegraph.rng import seed_for
+from tidegraph.storage.events import EventBatch
+from tidegraph.storage.partition import build_partitioner, partition_report
+from tidegraph.training.group import choose_memory_placement, state_row_bytes
+from tidegraph.training.schedule import slice_bounds
+
+__all__ = ["RayGroup", "PlacementTimeout"]
+
+log = logging.getLogger(__name__)
+
+
+class PlacementTimeout(RuntimeError):
+    """The cluster did not offer the resources a group needs within the wait."""
+
+
+class RayGroup:
+    """P shard actors and W trainer actors of one run (Ray must be initialized)."""
+
+    placement_wait_s = 120.0  # tests set it lower
+
+    def __init__(
+        self, config, num_nodes: int, edge_dim: int, expected_nodes: int | None = None
+    ) -> None:
+        if not ray.is_initialized():
+            raise RuntimeError("RayGroup: call ray.init (tidegraph.orchestrator.cluster) first")
+        c = config.cluster
+        self.config = config
+        self.num_shards, self.num_trainers = c.shards, c.trainers
+        self.namespace = config.run_name or "tidegraph"
+        self.partitioner = build_partitioner(c.partitioner, c.shards)
+        row_bytes = state_row_bytes(config, edge_dim)
+        expected = num_nodes if expected_nodes is None else expected_nodes
+        self.memory_placement = choose_memory_placement(c, expected, row_bytes)
+        self.sharded = self.memory_placement == "sharded" and row_bytes > 0
+        self.num_rows = 0
+        cuda = config.device.startswith("cuda")
+        self.shard_pg = placement_group([{"CPU": c.shard_cpus}] * c.shards, strategy="SPREAD")
+        trainer_bundle = {"CPU": c.trainer_cpus, **({"GPU": 1} if cuda else {})}
+        self.trainer_pg = placement_group([trainer_bundle] * c.trainers, strategy="PACK")
+        self._wait_placed(trainer_bundle)
+        raw = config.to_dict()
+        opts = dict(namespace=self.namespace, lifetime=None)
+        self.coordinator = CoordinatorActor.options(name="tidegraph-coordinator", **opts).remote()
+        self.shards = [
+            GraphShardActor.options(
+                name=f"tidegraph-shard-{p}", num_cpus=c.shard_cpus, **opts,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.shard_pg, p),
+            ).remote(
+                self._runtime(p), p, c.shards, edge_dim=edge_dim,
+                feature_precision=config.data.feature_precision,
+                strategy=config.sampler.strategy, seed=seed_for(config.seed, "sampler", p),
+                feature_seed=seed_for(config.seed, "features", p),
+                graph_device=config.graph_device, pin_memory=cuda,
+                state_model=self._state_model(edge_dim) if self.sharded else None,
+            )
+            for p in range(c.shards)
+        ]  # fmt: skip
+        self.trainers = [
+            TrainerActor.options(
+                name=f"tidegraph-trainer-{w}", num_cpus=c.trainer_cpus,
+                num_gpus=1 if cuda else 0, **opts,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.trainer_pg, w),
+            ).remote(
+                self._runtime(w), raw, w, c.trainers, self.shards, num_nodes, edge_dim,
+                self.sharded,
+            )
+            for w in range(c.trainers)
+        ]  # fmt: skip
+        self.generation = 0
+        address = ray.get(self.coordinator.address.remote())
+        ray.get([t.connect.remote(address, self.generation) for t in self.trainers])
+        ray.get([s.ping.remote() for s in self.shards])
+        log.info(
+            "ray group up: %d shards, %d trainers in namespace %r, node state %s",
+            c.shards, c.trainers, self.namespace, self.memory_placement,
+        )  # fmt: skip
+
+    def _runtime(self, rank: int) -> dict:
+        c = self.config
+        return {"seed": c.seed, "rank": rank, "deterministic": c.deterministic,
+                "threads": c.threads}  # fmt: skip
+
+    def _state_model(self, edge_dim: int):
+        from tidegraph.models.config import build_model
+
+        with torch.random.fork_rng(devices=[]):
+            snaps = self.config.sampler.num_snapshots
+            return build_model(self.config.model, 0, edge_dim, num_snapshots=snaps)
+
+    def _wait_placed(self, trainer_bundle: dict) -> None:
+        """Bounded wait for both placement groups; the error names what is missing."""
+        c = self.config.cluster
+        deadline = time.monotonic() + self.placement_wait_s
+        pending = [self.shard_pg.ready(), self.trainer_pg.ready()]
+        while pending and time.monotonic() < deadline:
+            _, pending = ray.wait(pending, num_returns=len(pending), timeout=5.0)
+            if pending:
+                log.info(
+                    "waiting for resources: %d trainers x %s and %d shards x {CPU: %s}; "
+                    "the cluster has %s available",
+                    c.trainers, trainer_bundle, c.shards, c.shard_cpus,
+                    ray.available_resources(),
+                )  # fmt: skip
+        if pending:
+            self.shutdown()
+            raise PlacementTimeout(
+                f"could not place {c.trainers} trainers x {trainer_bundle} and {c.shards} "
+                f"shards x {{'CPU': {c.shard_cpus}}} within {self.placement_wait_s:.0f} s; "
+                f"available: {ray.available_resources()}"
+            )
+
+    # ---- ingest -----------------------------------------------------------------------------
+
+    def ingest(self, events: EventBatch, num_nodes: int) -> None:
+        from tidegraph.training.shard import route_events
+
+        self.partitioner.assign(events.src, events.dst)
+        own_src = self.partitioner.owner(events.src)
+        own_dst = self.partitioner.owner(events.dst)
+        pieces = route_events(events, own_src, own_dst, self.num_shards)
+        ray.get([s.ingest.remote(piece) for s, piece in zip(self.shards, pieces, strict=True)])
+        if len(events):
+            self.num_rows = max(self.num_rows, int(events.eid.max()) + 1)
+        part = None if self.partitioner.kind == "hash" else self.partitioner.state_dict()
+        ray.get([t.ingested.remote(num_nodes, self.num_rows, part) for t in self.trainers])
+
+    # ---- steps ------------------------------------------------------------------------------
+
+    def train_step(
+        self, ev: EventBatch, weight: torch.Tensor | None, neg_BQ: torch.Tensor, num_observe: int
+    ) -> float:
+        losses, updates = [], []
+        for trainer, (lo, hi) in zip(self.trainers, slice_bounds(len(ev), self.num_trainers),
+                                     strict=True):  # fmt: skip
+            w = None if weight is None else weight[lo:hi]
+            n_obs = max(0, min(hi, num_observe) - lo)
+            loss, upd = trainer.train_and_step.options(num_returns=2).remote(
+                ev.select(slice(lo, hi)), w, neg_BQ[lo:hi], n_obs, len(ev)
+            )
+            losses.append(loss)
+            updates.append(upd)
+        self._apply_state(updates)
+        return sum(ray.get(losses))
+
+    def eval_step(
+        self, ev: EventBatch, neg_BQ: torch.Tensor, observe: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        outs = []
+        for trainer, (lo, hi) in zip(self.trainers, slice_bounds(len(ev), self.num_trainers),
+                                     strict=True):  # fmt: skip
+            if hi == lo:
+                continue
+            outs.append(trainer.eval_slice.options(num_returns=3).remote(
+                ev.select(slice(lo, hi)), neg_BQ[lo:hi], observe
+            ))  # fmt: skip
+        if observe:
+            self._apply_state([o[2] for o in outs])
+        pos = ray.get([o[0] for o in outs])
+        neg = ray.get([o[1] for o in outs])
+        return torch.cat(pos), torch.cat(neg)
+
+    def _apply_state(self, updates: list) -> None:
+        """Every slice's node-state updates to every trainer (in order after its step), or to
+        every shard (waited for: trainers read shards next)."""
+        if self.sharded:
+            ray.get([s.apply_state_of.remote(*updates) for s in self.shards])
+            return
+        for trainer in self.trainers:
+            trainer.apply_updates.remote(*updates)
+
+    # ---- node state, rounds, reports ----------------------------------------------------------
+
+    def _all(self, method: str, *args) -> list:
+        return ray.get([t.call.remote(method, *args) for t in self.trainers])
+
+    def reset_state(self) -> None:
+        self._all("reset_state")
+        if self.sharded:
+            ray.get([s.reset_state.remote() for s in self.shards])
+
+    def node_state(self) -> dict:
+        if self.sharded:
+            return {"shards": ray.get([s.node_state_dict.remote() for s in self.shards])}
+        return ray.get(self.trainers[0].call.remote("node_state"))
+
+    def load_node_state(self, state: dict) -> None:
+        if self.sharded:
+            parts = state["shards"]
+            ray.get([s.load_node_state_dict.remote(x) for s, x in zip(self.shards, parts,
+                                                                      strict=True)])  # fmt: skip
+            return
+        ref = ray.put(state)
+        self._all("load_node_state", ref)
+
+    def new_optimizers(self) -> None:
+        self._all("new_optimizer")
+
+    def restore_caches(self, eids: torch.Tensor) -> None:
+        self._all("restore_cache", eids)
+
+    def cache_stats(self) -> dict | None:
+        return ray.get(self.trainers[0].cache_stats.remote())
+
+    def model_state(self) -> dict:
+        return ray.get(self.trainers[0].model_state.remote())
+
+    def report(self, src: torch.Tensor, dst: torch.Tensor) -> dict:
+        nodes = int(torch.maximum(src.max(), dst.max())) + 1 if src.numel() else 0
+        owner = self.partitioner.owner(torch.arange(nodes)) if nodes else torch.empty(0)
+        out = partition_report(src, dst, owner.long())
+        out["shard_events"] = [r["events"] for r in ray.get([s.report.remote()
+                                                             for s in self.shards])]  # fmt: skip
+        return out
+
+    def placement(self) -> dict:
+        """Node id of every shard and trainer actor (for operators and tests)."""
+        actors = {f"tidegraph-shard-{p}": s for p, s in enumerate(self.shards)}
+        actors.update({f"tidegraph-trainer-{w}": t for w, t in enumerate(self.trainers)})
+        nodes = ray.get([a.node_id.remote() for a in actors.values()])
+        return dict(zip(actors, nodes, strict=True))
+
+    # ---- state --------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        return {
+            "partitioner": self.partitioner.state_dict(),
+            "shards": ray.get([s.state_dict.remote() for s in self.shards]),
+            "trainers": self._all("state_dict"),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.partitioner.load_state_dict(state["partitioner"])
+        ray.get([s.load_state_dict.remote(x) for s, x in zip(self.shards, state["shards"],
+                                                             strict=True)])  # fmt: skip
+        ray.get([t.call.remote("load_state_dict", x) for t, x in zip(self.trainers,
+                                                                     state["trainers"],
+                                                                     strict=True)])  # fmt: skip
+        part = None if self.partitioner.kind == "hash" else self.partitioner.state_dict()
+        if part is not None:
+            ray.get([t.ingested.remote(0, self.num_rows, part) for t in self.trainers])
+
+    def shutdown(self) -> None:
+        """Kill this group's actors and release its placement groups."""
+        for actor in [*getattr(self, "trainers", []), *getattr(self, "shards", [])]:
+            ray.kill(actor)
+        if getattr(self, "coordinator", None) is not None:
+            ray.kill(self.coordinator)
+        for pg in (self.shard_pg, self.trainer_pg):
+            remove_placement_group(pg)
