@@ -1,7 +1,14 @@
 """Shared fixtures: a `device` parameter that covers CPU always and CUDA under the `gpu` marker."""
 
-import pytest
-import torch
+import os
+
+# Ray started by tests binds to loopback: on Linux Ray replaces 127.0.0.1 by the address it
+# would be reached at from other hosts, unless it is told it runs on one machine (read when
+# ray is imported, so before any test module imports it)
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 

@@ -21,7 +21,7 @@ from tidegraph.storage.partition import (
 )
 from tidegraph.training import ContinualLearner, RunConfig, ShardCore, load_stream
 from tidegraph.training.config import ClusterConfig
-from tidegraph.training.group import choose_memory_placement
+from tidegraph.training.group import LocalGroup, choose_memory_placement
 from tidegraph.training.shard import route_events
 
 
@@ -204,3 +204,52 @@ def test_job_flags_choose_shards_trainers_and_placement(tmp_path, capsys):
     assert summary["partition"]["shards"] == 2 and 0 < summary["partition"]["edge_cut"] < 1
     first = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
     assert first["shards"] == 2 and "partition_edge_cut" in first
+
+
+@pytest.mark.parametrize("precision", ["int8", "bf16"])
+def test_stochastically_rounded_features_do_not_depend_on_the_number_of_shards(precision):
+    ev = with_features(load_stream("wikipedia", 3000).events)
+    rows = []
+    for parts in (1, 3):
+        cfg = small(shards=parts)
+        cfg.data.feature_precision = precision
+        group = LocalGroup(cfg, 0, 3)
+        for lo in range(0, 3000, 1000):
+            group.ingest(ev.select(slice(lo, lo + 1000)), 10000)
+        rows.append(group.trainers[0].edge_cache.get(torch.arange(3000)))
+    assert torch.equal(rows[0], rows[1])
+    assert not torch.equal(rows[0], ev.edge_feat)  # rounded, and stochastically so
+
+
+def test_a_run_with_ldg_reports_its_partition_and_summary_leaves_sampling_alone():
+    set_determinism(0, threads=1)
+    cfg = small(shards=3, trainers=2, partitioner="ldg")
+    cfg.sampler.strategy = "uniform"
+    cfg.continual.num_increments = 3
+    stream = load_stream("wikipedia", 3000)
+    a, b = ContinualLearner(cfg, stream), ContinualLearner(cfg, stream)
+    for learner in (a, b):
+        learner.run_phase1()
+        learner.step()
+    summary = a.summary()  # probes sample with the shards' generators: they must be restored
+    assert summary["partition"]["shards"] == 3 and sum(summary["partition"]["shard_events"]) > 0
+    ra, rb = a.step(), b.step()
+    assert {k: v for k, v in ra.items() if "_per_s" not in k} == {
+        k: v for k, v in rb.items() if "_per_s" not in k
+    }
+
+
+def test_unknown_node_has_no_state_row_and_placement_is_checked_on_load():
+    from tidegraph.training.state import DenseRowIndex
+
+    index = DenseRowIndex()
+    index.add(torch.tensor([5, 7]))
+    assert index(torch.tensor([7, 5])).tolist() == [1, 0]
+    with pytest.raises(KeyError, match="node 6 has no state row"):
+        index(torch.tensor([6]))
+    with pytest.raises(KeyError, match="node 9"):
+        index(torch.tensor([9]))
+    stream = load_stream("wikipedia", 3000)
+    state = ContinualLearner(small(memory="sharded"), stream).group.state_dict()
+    with pytest.raises(ValueError, match="cluster.memory: sharded"):
+        ContinualLearner(small(memory="replicated"), stream).group.load_state_dict(state)

@@ -289,3 +289,33 @@ def test_sharded_node_state_gives_what_replicated_gives(model, stream20k, float6
         if (shards, trainers) == (1, 1):
             for a, b in zip(ref.history, learner.history, strict=True):
                 assert a.get("ap") == b.get("ap") and a.get("loss") == b.get("loss")
+
+
+@pytest.mark.parametrize("model", ["tgn", "jodie", "apan"])
+def test_chunked_evaluation_reads_the_previous_step_in_every_chunk(model, float64):
+    """Evaluation cut into chunks (eval_max_roots) gives what one chunk gives, for any W and
+    placement: no chunk reads another's updates, not even as a message source."""
+    ev = tied_stream()
+    results = []
+    for shards, trainers, memory, max_roots in (
+        (1, 1, "replicated", 100000), (1, 1, "replicated", 30), (2, 3, "replicated", 30),
+        (2, 2, "sharded", 30), (1, 1, "sharded", 100000),
+    ):  # fmt: skip
+        set_determinism(7, threads=1)
+        cluster = {"shards": shards, "trainers": trainers, "memory": memory}
+        cfg = config(model, shards, trainers, train={"eval_max_roots": max_roots}, cluster=cluster)
+        group = LocalGroup(cfg, 80, 0)
+        for trainer in group.trainers:
+            trainer.model.to(float64)
+            trainer.new_optimizer()
+        group.ingest(ev, 80)
+        negatives = NegativeSampler(5)
+        negatives.add(ev.dst)
+        scores = []
+        for lo in range(0, 400, 100):  # every step's later chunks hold nodes of earlier ones
+            pos, neg = group.eval_step(ev.select(slice(lo, lo + 100)), negatives.sample(100, 3),
+                                       True)  # fmt: skip
+            scores += [pos, neg]
+        results.append(torch.cat([s.flatten() for s in scores]))
+    for got in results[1:]:
+        assert rel(results[0], got) < 1e-12

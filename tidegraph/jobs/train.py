@@ -21,7 +21,6 @@ import yaml
 
 from tidegraph.runtime import set_determinism, tune_host_allocator
 from tidegraph.training.config import RunConfig
-from tidegraph.training.continual import ContinualLearner
 from tidegraph.training.offline import run_offline
 
 __all__ = ["main", "parse_config"]
@@ -46,7 +45,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", help="cpu or cuda")
     p.add_argument("--threads", type=int, help="torch CPU threads (1 is fastest on a busy box)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    p.add_argument("--backend", help="local: shards and trainers in this process")
+    p.add_argument("--backend", help="ray (actors; a local Ray unless RAY_ADDRESS) or local")
+    p.add_argument("--run-name", help="names the run (its Ray namespace)")
     p.add_argument("--trainers", type=int, help="data-parallel trainers W (default 1)")
     p.add_argument("--shards", type=int, help="graph shards P (default 1)")
     p.add_argument("--memory", help="node state placement: auto, replicated or sharded")
@@ -85,6 +85,7 @@ def parse_config(argv: list[str] | None = None) -> RunConfig:
         ("seed", "seed"),
         ("device", "device"),
         ("threads", "threads"),
+        ("run_name", "run_name"),
     ):
         if getattr(args, flag) is not None:
             raw[key] = getattr(args, flag)
@@ -112,24 +113,50 @@ def main(argv: list[str] | None = None) -> int:
         result = run_offline(config)
         print(json.dumps({"test": result["test"], "epoch_s": result["epoch_s"]}, indent=2))
         return 0
+    started = False
+    if config.cluster.backend == "ray":
+        from tidegraph.orchestrator.cluster import connect
+
+        started = connect(config)
     try:
-        learner = ContinualLearner(config)
-    except ValueError as err:  # bad data or a config that only the data shows to be wrong
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    learner.run_phase1()
-    cols = ("inc", "events", "AP", "AUC", "MRR", "oldAP", "eval/s", "train/s")
-    print(" ".join(f"{c:>8}" for c in cols))
-    while not learner.done:
-        r = learner.step()
-        print(
-            f"{r['increment'] + 1:>8} {r['events']:>8} {r['ap']:>8.4f} {r['auc']:>8.4f} "
-            f"{r['mrr']:>8.4f} {r['old_ap']:>8.4f} {r['eval_events_per_s']:>8.0f} "
-            f"{r['train_events_per_s']:>8.0f}",
-            flush=True,
-        )
-    print(json.dumps(learner.summary(), indent=2))
+        return _run(config)
+    finally:
+        if started:
+            import ray
+
+            ray.shutdown()
+
+
+def _run(config: RunConfig) -> int:
+    from tidegraph.orchestrator import Orchestrator, RunState
+
+    orchestrator = Orchestrator(config, on_record=_print_record)
+    while orchestrator.step() not in (RunState.FINISHED, RunState.ERRORED):
+        pass
+    orchestrator.close()
+    err = orchestrator.error
+    if err is not None:
+        if isinstance(err, ValueError) or type(err).__name__ == "PlacementTimeout":
+            print(f"error: {err}", file=sys.stderr)  # bad data, or a cluster too small
+            return 2
+        raise err
+    print(json.dumps(orchestrator.result, indent=2))
     return 0
+
+
+_COLS = ("inc", "events", "AP", "AUC", "MRR", "oldAP", "eval/s", "train/s")
+
+
+def _print_record(r: dict) -> None:
+    if r["phase"] == "phase1":
+        print(" ".join(f"{c:>8}" for c in _COLS), flush=True)
+        return
+    print(
+        f"{r['increment'] + 1:>8} {r['events']:>8} {r['ap']:>8.4f} {r['auc']:>8.4f} "
+        f"{r['mrr']:>8.4f} {r['old_ap']:>8.4f} {r['eval_events_per_s']:>8.0f} "
+        f"{r['train_events_per_s']:>8.0f}",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -11,8 +11,8 @@ passes change with `take_updates(events)` (detached tensors, `events` the ones t
 for replayed or evaluation-only batches), and every replica applies the updates of all slices
 of the step, in slice order, with `apply_updates`. Merging per node keeps the latest event's
 update (ties: the later row), so W slices give what one batch gives. `commit(events)` is both
-at once for one replica; `fold()` folds a pass's state into this replica between evaluation
-chunks of one step (values any replica computes alike from the same state); `reset_state`,
+at once for one replica; `fold()` keeps a pass's state between evaluation chunks of one step
+(every chunk reads the previous step's state); `reset_state`,
 `node_state` and `load_node_state` snapshot and restore it. Stateless models inherit no-ops.
 """
 
@@ -100,8 +100,8 @@ class TemporalModel(nn.Module):
         self.apply_updates([self.take_updates(events)])
 
     def fold(self) -> None:
-        """Between evaluation chunks of one step: fold the last pass's state into this
-        replica now; it stays part of what `take_updates` returns."""
+        """Between evaluation chunks of one step: keep the last pass's state for
+        `take_updates` (written when the step's updates are applied, not before)."""
 
     def take_updates(self, events: EventBatch | None) -> dict | None:
         """This replica's node-state updates since the last call (detached), with `events`

@@ -50,8 +50,10 @@ class MemoryModel(TemporalModel):
         return tables["msg_other"][tables["has_msg"]]
 
     def fold(self) -> None:
+        """Keep the pass's rows for `take_updates` without writing them: later chunks of the
+        step read the previous step's state too (as message sources as well), so chunking
+        changes nothing, whatever W or the node-state placement."""
         if self._stash is not None:
-            self.memory.commit(*self._stash)
             self._folded.append(self._stash)
             self._stash = None
 

@@ -1,1 +1,5 @@
 """The orchestrator: the run's state machine over a group of shards and trainers."""
+
+from tidegraph.orchestrator.controller import Orchestrator, RunState
+
+__all__ = ["Orchestrator", "RunState"]

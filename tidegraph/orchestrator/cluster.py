@@ -13,7 +13,12 @@ import logging
 import math
 import os
 
-import ray
+if not os.environ.get("RAY_ADDRESS"):
+    # a local Ray on this machine only: keep 127.0.0.1 (on Linux Ray otherwise swaps it for
+    # the address other hosts would reach it at); read when ray is first imported
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+import ray  # noqa: E402
 
 __all__ = ["connect"]
 

@@ -25,10 +25,10 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from tidegraph.actors import CoordinatorActor, GraphShardActor, TrainerActor
-from tidegraph.rng import seed_for
+from tidegraph.rng import load_generator_state, seed_for, stream
 from tidegraph.storage.events import EventBatch
 from tidegraph.storage.partition import build_partitioner, partition_report
-from tidegraph.training.group import choose_memory_placement, state_row_bytes
+from tidegraph.training.group import check_placement, choose_memory_placement, state_row_bytes
 from tidegraph.training.schedule import slice_bounds
 
 __all__ = ["RayGroup", "PlacementTimeout"]
@@ -55,6 +55,7 @@ class RayGroup:
         self.num_shards, self.num_trainers = c.shards, c.trainers
         self.namespace = config.run_name or "tidegraph"
         self.partitioner = build_partitioner(c.partitioner, c.shards)
+        self.feature_gen = stream(config.seed, "features")  # stored-feature rounding
         row_bytes = state_row_bytes(config, edge_dim)
         expected = num_nodes if expected_nodes is None else expected_nodes
         self.memory_placement = choose_memory_placement(c, expected, row_bytes)
@@ -139,12 +140,13 @@ class RayGroup:
     # ---- ingest -----------------------------------------------------------------------------
 
     def ingest(self, events: EventBatch, num_nodes: int) -> None:
-        from tidegraph.training.shard import route_events
+        from tidegraph.training.shard import encode_features, route_events
 
         self.partitioner.assign(events.src, events.dst)
         own_src = self.partitioner.owner(events.src)
         own_dst = self.partitioner.owner(events.dst)
-        pieces = route_events(events, own_src, own_dst, self.num_shards)
+        encoded = encode_features(events, self.config.data.feature_precision, self.feature_gen)
+        pieces = route_events(events, own_src, own_dst, self.num_shards, encoded)
         ray.get([s.ingest.remote(piece) for s, piece in zip(self.shards, pieces, strict=True)])
         if len(events):
             self.num_rows = max(self.num_rows, int(events.eid.max()) + 1)
@@ -228,13 +230,18 @@ class RayGroup:
     def cache_stats(self) -> dict | None:
         return ray.get(self.trainers[0].cache_stats.remote())
 
+    def sampler_states(self) -> list:
+        return ray.get([s.sampler_state.remote() for s in self.shards])
+
+    def load_sampler_states(self, states: list) -> None:
+        ray.get([s.load_sampler_state.remote(x) for s, x in zip(self.shards, states,
+                                                                strict=True)])  # fmt: skip
+
     def model_state(self) -> dict:
         return ray.get(self.trainers[0].model_state.remote())
 
     def report(self, src: torch.Tensor, dst: torch.Tensor) -> dict:
-        nodes = int(torch.maximum(src.max(), dst.max())) + 1 if src.numel() else 0
-        owner = self.partitioner.owner(torch.arange(nodes)) if nodes else torch.empty(0)
-        out = partition_report(src, dst, owner.long())
+        out = partition_report(src, dst, self.partitioner)
         out["shard_events"] = [r["events"] for r in ray.get([s.report.remote()
                                                              for s in self.shards])]  # fmt: skip
         return out
@@ -250,13 +257,17 @@ class RayGroup:
 
     def state_dict(self) -> dict:
         return {
+            "memory_placement": self.memory_placement,
             "partitioner": self.partitioner.state_dict(),
+            "feature_gen": self.feature_gen.get_state(),
             "shards": ray.get([s.state_dict.remote() for s in self.shards]),
             "trainers": self._all("state_dict"),
         }
 
     def load_state_dict(self, state: dict) -> None:
+        check_placement(state, self.memory_placement)
         self.partitioner.load_state_dict(state["partitioner"])
+        load_generator_state(self.feature_gen, state["feature_gen"], "feature rounding")
         ray.get([s.load_state_dict.remote(x) for s, x in zip(self.shards, state["shards"],
                                                              strict=True)])  # fmt: skip
         ray.get([t.call.remote("load_state_dict", x) for t, x in zip(self.trainers,

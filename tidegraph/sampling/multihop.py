@@ -137,6 +137,10 @@ def merge_blocks(
 ) -> Block:
     """One block over all `roots` from blocks over subsets (`idx` rows each); rows no part
     answers stay empty (mask False, the sampler's fill values)."""
+    if parts:  # shards answer on their graph's device
+        dev = parts[0][1].nbr_ids.device
+        roots, t_hi = roots.to(dev), t_hi.to(dev)
+        parts = [(idx.to(dev), b) for idx, b in parts]
     r = roots.shape[0]
     nbr = roots.new_full((r, k), -1)
     eid = roots.new_full((r, k), -1)

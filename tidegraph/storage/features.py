@@ -332,6 +332,22 @@ class HostFeatureStore(FeatureStore):
             self._scale[ids] = enc.scale
         self._num_rows = max(self._num_rows, int(ids.max()) + 1)
 
+    def put_encoded(self, ids: torch.Tensor, rows: EncodedRows) -> None:
+        """Write rows encoded elsewhere (in this store's precision) at distinct `ids`."""
+        ids = _check_ids(ids, "HostFeatureStore.put_encoded").cpu()
+        if ids.numel() == 0:
+            return
+        if rows.data.dtype != self._data.dtype or len(rows) != ids.shape[0]:
+            raise ValueError(
+                f"HostFeatureStore.put_encoded: {len(rows)} rows of {rows.data.dtype} for "
+                f"{ids.shape[0]} ids of a {self.precision} store"
+            )
+        self._reserve(int(ids.max()) + 1)
+        self._data[ids] = rows.data.cpu()
+        if self._scale is not None:
+            self._scale[ids] = rows.scale.cpu()
+        self._num_rows = max(self._num_rows, int(ids.max()) + 1)
+
     def error_stats(self) -> dict[str, float]:
         """Error added by the storage precision over every row written (zeros for fp32)."""
         return self._error.report()

@@ -147,12 +147,19 @@ def build_partitioner(kind: str, num_parts: int) -> Partitioner:
     raise ValueError(f"cluster.partitioner must be one of {PARTITIONERS}, got {kind!r}")
 
 
-def partition_report(src: torch.Tensor, dst: torch.Tensor, owner: torch.Tensor) -> dict:
-    """Edge cut and balance of events (src, dst) under `owner` (a node -> shard table)."""
-    p = int(owner.max()) + 1 if owner.numel() else 1
+def partition_report(src: torch.Tensor, dst: torch.Tensor, owner) -> dict:
+    """Edge cut and balance of events (src, dst) under `owner`: a `Partitioner`, or a node ->
+    shard table covering every id in the events."""
+    nodes = torch.unique(torch.cat([src, dst]))
+    if isinstance(owner, Partitioner):
+        p = owner.num_parts
+        table = torch.zeros(int(nodes.max()) + 1 if nodes.numel() else 0, dtype=torch.int64)
+        table[nodes] = owner.owner(nodes)
+        owner = table
+    else:
+        p = int(owner.max()) + 1 if owner.numel() else 1
     o_src, o_dst = owner[src], owner[dst]
     cut = (o_src != o_dst).double().mean().item() if src.numel() else 0.0
-    nodes = torch.unique(torch.cat([src, dst]))
     node_load = torch.bincount(owner[nodes], minlength=p).double()
     stored = torch.bincount(torch.cat([o_src, o_dst]), minlength=p).double()
     return {

@@ -210,9 +210,11 @@ class ContinualLearner:
             for key in ("ap", "auc", "mrr", "old_ap"):
                 out[key] = sum(r[key] for r in inc) / len(inc)
             saved = self.negatives.generator.get_state(), self.forget_gen.get_state()
+            samplers = self.group.sampler_states()
             now = [self._ap_on(*self.bounds[r["increment"]]) for r in inc[:-1]]
             self.negatives.generator.set_state(saved[0])
             self.forget_gen.set_state(saved[1])
+            self.group.load_sampler_states(samplers)
             drops = [r["ap"] - a for r, a in zip(inc[:-1], now, strict=True)]
             out["forgetting"] = sum(drops) / len(drops) if drops else 0.0
         if self.config.out_dir:

@@ -21,17 +21,23 @@ import logging
 import torch
 
 from tidegraph.models.config import build_model
-from tidegraph.rng import seed_for, stream
+from tidegraph.rng import load_generator_state, seed_for, stream
 from tidegraph.sampling.multihop import MultiHopSampler
 from tidegraph.storage.events import EventBatch
 from tidegraph.storage.partition import build_partitioner, partition_report
 from tidegraph.training.fetch import ShardedFeatureStore
 from tidegraph.training.schedule import slice_bounds
-from tidegraph.training.shard import ShardCore, route_events
+from tidegraph.training.shard import ShardCore, encode_features, route_events
 from tidegraph.training.state import ShardedStateSource
 from tidegraph.training.trainer import TrainerCore
 
-__all__ = ["LocalGroup", "build_trainer", "choose_memory_placement", "state_row_bytes"]
+__all__ = [
+    "LocalGroup",
+    "build_trainer",
+    "check_placement",
+    "choose_memory_placement",
+    "state_row_bytes",
+]
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +72,8 @@ class LocalGroup:
         self.config = config
         self.num_shards, self.num_trainers = c.shards, c.trainers
         self.partitioner = build_partitioner(c.partitioner, c.shards)
+        # stochastic rounding of stored features (int8, bf16): one stream, whatever P
+        self.feature_gen = stream(config.seed, "features")
         snaps = s.num_snapshots
         row_bytes = state_row_bytes(config, edge_dim)
         expected = num_nodes if expected_nodes is None else expected_nodes
@@ -102,7 +110,8 @@ class LocalGroup:
         self.partitioner.assign(events.src, events.dst)
         own_src = self.partitioner.owner(events.src)
         own_dst = self.partitioner.owner(events.dst)
-        pieces = route_events(events, own_src, own_dst, self.num_shards)
+        encoded = encode_features(events, self.config.data.feature_precision, self.feature_gen)
+        pieces = route_events(events, own_src, own_dst, self.num_shards, encoded)
         for shard, piece in zip(self.shards, pieces, strict=True):
             shard.ingest(piece)
         top = int(events.eid.max()) + 1 if len(events) else 0
@@ -194,6 +203,13 @@ class LocalGroup:
         for trainer in self.trainers:
             trainer.restore_cache(eids)
 
+    def sampler_states(self) -> list:
+        return [s.sampler_state() for s in self.shards]
+
+    def load_sampler_states(self, states: list) -> None:
+        for shard, state in zip(self.shards, states, strict=True):
+            shard.load_sampler_state(state)
+
     def model_state(self) -> dict:
         """Replica 0's model state (parameters, and node state when replicated)."""
         return self.trainers[0].model.state_dict()
@@ -208,9 +224,7 @@ class LocalGroup:
 
     def report(self, src: torch.Tensor, dst: torch.Tensor) -> dict:
         """Partition quality over the events so far, and per-shard event counts."""
-        nodes = int(torch.maximum(src.max(), dst.max())) + 1 if src.numel() else 0
-        owner = self.partitioner.owner(torch.arange(nodes)) if nodes else torch.empty(0)
-        out = partition_report(src, dst, owner.long())
+        out = partition_report(src, dst, self.partitioner)
         out["shard_events"] = [s.num_events for s in self.shards]
         return out
 
@@ -218,17 +232,30 @@ class LocalGroup:
 
     def state_dict(self) -> dict:
         return {
+            "memory_placement": self.memory_placement,
             "partitioner": self.partitioner.state_dict(),
+            "feature_gen": self.feature_gen.get_state(),
             "shards": [s.state_dict() for s in self.shards],
             "trainers": [t.state_dict() for t in self.trainers],
         }
 
     def load_state_dict(self, state: dict) -> None:
+        check_placement(state, self.memory_placement)
         self.partitioner.load_state_dict(state["partitioner"])
+        load_generator_state(self.feature_gen, state["feature_gen"], "feature rounding")
         for shard, s in zip(self.shards, state["shards"], strict=True):
             shard.load_state_dict(s)
         for trainer, s in zip(self.trainers, state["trainers"], strict=True):
             trainer.load_state_dict(s)
+
+
+def check_placement(state: dict, placement: str) -> None:
+    saved = state.get("memory_placement", placement)
+    if saved != placement:
+        raise ValueError(
+            f"checkpoint keeps node state {saved}, this run places it {placement}: set "
+            f"cluster.memory: {saved} to resume it"
+        )
 
 
 def state_row_bytes(config, edge_dim: int) -> int:

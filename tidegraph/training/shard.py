@@ -7,7 +7,9 @@
   its roots are exactly that graph's;
 - edge features of the eids it is responsible for, eid mod P == p, at local row eid // P. An
   edge's row is stored once, not at both endpoint owners, and any reader routes a fetch by the
-  eid alone (which is what the trainers' feature caches key by);
+  eid alone (which is what the trainers' feature caches key by). Rows arrive encoded in the
+  store's precision (`encode_features`, by whoever routes events, from one generator), so
+  stochastic rounding (int8, bf16) gives the same rows whatever P;
 - its own sampler generator (`uniform` draws) and the count of distinct events it holds;
 - with sharded node state (`state_model` given), its nodes' state rows (`ShardNodeState`).
 
@@ -24,7 +26,7 @@ import torch
 from tidegraph.sampling.block import Block
 from tidegraph.sampling.sampler import TemporalSampler
 from tidegraph.storage.events import EventBatch
-from tidegraph.storage.features import EncodedRows, HostFeatureStore
+from tidegraph.storage.features import EncodedRows, HostFeatureStore, encode
 from tidegraph.storage.graph import DynamicGraph
 from tidegraph.training.state import ShardNodeState
 
@@ -41,14 +43,37 @@ class ShardBatch:
     eid: torch.Tensor
     num_events: int  # distinct events among the half-edges
     feat_eid: torch.Tensor
-    feat: torch.Tensor | None
+    feat: EncodedRows | None
+
+
+def encode_features(
+    events: EventBatch, precision: str, generator: torch.Generator | None
+) -> EncodedRows | None:
+    """The batch's edge features in the stores' precision; a value that the precision would
+    turn into an infinity is an error naming its event (eid)."""
+    if events.edge_feat is None:
+        return None
+    try:
+        return encode(events.edge_feat, precision, True, generator)
+    except ValueError as exc:
+        row = getattr(exc, "row", None)
+        if row is None:
+            raise
+        raise ValueError(f"event {int(events.eid[row])}: {exc.message}") from None
 
 
 def route_events(
-    events: EventBatch, owner_src: torch.Tensor, owner_dst: torch.Tensor, num_parts: int
+    events: EventBatch,
+    owner_src: torch.Tensor,
+    owner_dst: torch.Tensor,
+    num_parts: int,
+    encoded: EncodedRows | None = None,
 ) -> list[ShardBatch]:
     """Per shard, its half-edges (interleaved u -> v, v -> u per event, as one graph stores
-    both directions) and the feature rows of eids mod P == p."""
+    both directions) and the feature rows of eids mod P == p (`encoded`: the batch's rows
+    encoded; None: its float32 features as they are)."""
+    if encoded is None and events.edge_feat is not None:
+        encoded = EncodedRows(events.edge_feat.to(torch.float32))
     node = torch.stack([events.src, events.dst], 1).flatten()
     nbr = torch.stack([events.dst, events.src], 1).flatten()
     t = events.t.repeat_interleave(2)
@@ -64,7 +89,10 @@ def route_events(
             keep = (own == p).nonzero().squeeze(1)
             fkeep = (feat_owner == p).nonzero().squeeze(1)
             n_events = int(((owner_src == p) | (owner_dst == p)).sum())
-        feat = None if events.edge_feat is None else events.edge_feat[fkeep]
+        feat = None
+        if encoded is not None:
+            scale = None if encoded.scale is None else encoded.scale[fkeep]
+            feat = EncodedRows(encoded.data[fkeep], scale)
         out.append(
             ShardBatch(node[keep], nbr[keep], t[keep], eid[keep], n_events, events.eid[fkeep], feat)
         )
@@ -107,16 +135,16 @@ class ShardCore:
     # ---- ingest -----------------------------------------------------------------------------
 
     def ingest(self, batch: ShardBatch) -> None:
-        """Store the half-edges and feature rows of one routed batch (validated first, so a bad
-        batch changes nothing)."""
-        if self.features is not None and batch.feat is not None and batch.feat_eid.numel():
-            local = batch.feat_eid // self.num_parts
-            self.features.put(local, batch.feat)
-        if self.node_state is not None:
-            self.node_state.add_nodes(batch.node)
+        """Store the half-edges and feature rows of one routed batch. The graph validates the
+        batch first (ids, times) and changes nothing when it is bad; feature rows and state
+        rows are written after it, by id, so writing them again is harmless."""
         g = self.graph.device
         if batch.node.numel():
             self.graph.add_edges(batch.node.to(g), batch.nbr.to(g), batch.t.to(g), batch.eid.to(g))
+        if self.features is not None and batch.feat is not None and batch.feat_eid.numel():
+            self.features.put_encoded(batch.feat_eid // self.num_parts, batch.feat)
+        if self.node_state is not None:
+            self.node_state.add_nodes(batch.node)
         self.num_events += batch.num_events
 
     # ---- queries ----------------------------------------------------------------------------
@@ -124,14 +152,23 @@ class ShardCore:
     def sample_hop(
         self, roots: torch.Tensor, t_hi: torch.Tensor, k: int, t_lo: torch.Tensor | None = None
     ) -> Block:
-        """Up to k visible edges (t_lo <= t < t_hi) of each root (roots this shard owns)."""
-        return self.sampler.sample_hop(roots, t_hi, k, t_lo)
+        """Up to k visible edges (t_lo <= t < t_hi) of each root (roots this shard owns), as
+        tensors on the graph's device."""
+        g = self.graph.device
+        t_lo = None if t_lo is None else t_lo.to(g)
+        return self.sampler.sample_hop(roots.to(g), t_hi.to(g), k, t_lo)
 
     def fetch(self, eids: torch.Tensor) -> EncodedRows:
         """Stored feature rows of `eids` (each with eid mod P == this part)."""
         if self.features is None:
             raise ValueError("ShardCore.fetch: this stream has no edge features")
         return self.features.fetch(eids // self.num_parts)
+
+    def sampler_state(self) -> dict:
+        return self.sampler.state_dict()
+
+    def load_sampler_state(self, state: dict) -> None:
+        self.sampler.load_state_dict(state)
 
     def read_state(self, ids: torch.Tensor, names: tuple[str, ...] | None = None) -> dict:
         """Node-state rows of `ids` (nodes this shard owns), table by table."""

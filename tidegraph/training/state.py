@@ -58,7 +58,11 @@ class DenseRowIndex:
         return inside & (rows >= 0)
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.row_of[ids]
+        rows = self.row_of[ids.clamp(max=self.row_of.shape[0] - 1)] if self.row_of.numel() else ids
+        bad = (ids >= self.row_of.shape[0]) | (rows < 0)
+        if bool(bad.any()):
+            raise KeyError(f"node {int(ids[bad][0])} has no state row on this shard")
+        return rows
 
     def state_dict(self) -> dict:
         return {"row_of": self.row_of.clone(), "size": self.size}
@@ -66,6 +70,18 @@ class DenseRowIndex:
     def load_state_dict(self, state: dict) -> None:
         self.row_of = state["row_of"].clone()
         self.size = state["size"]
+
+
+def _cpu(x):
+    """`x` (updates: dicts, lists and tuples of tensors) with every tensor on the CPU, where
+    shards keep node state."""
+    if torch.is_tensor(x):
+        return x.cpu()
+    if isinstance(x, dict):
+        return {k: _cpu(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return type(x)(_cpu(v) for v in x)
+    return x
 
 
 def _first_appearance(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,12 +111,12 @@ class ShardNodeState:
         self.model.load_compact_state(self.index, self.model.state_tables())
 
     def read(self, ids: torch.Tensor, names: tuple[str, ...] | None = None) -> dict:
-        rows = self.index(ids)
+        rows = self.index(ids.cpu())
         tables = self.model.state_tables()
         return {k: v.index_select(0, rows) for k, v in tables.items() if not names or k in names}
 
     def apply(self, updates: list) -> None:
-        self.model.apply_updates(updates, owned=self.index.contains)
+        self.model.apply_updates(_cpu(updates), owned=self.index.contains)
 
     def reset(self) -> None:
         self.model.reset_state()
@@ -146,8 +162,10 @@ class ShardedStateSource:
         return out
 
     def install(self, model, roots: torch.Tensor, blocks: list) -> None:
-        """Install in `model` the compact state its forward over `blocks` reads."""
-        ids = model.state_ids(roots, blocks)
+        """Install in `model` the compact state its forward over `blocks` reads (ids looked up
+        on the CPU, tables and their index moved to the model's device)."""
+        device = next(model.parameters()).device
+        ids = model.state_ids(roots.to(device), blocks).cpu()
         tables = self.read(ids)
         extra = model.extra_state_ids(ids, tables)
         if extra is not None:
@@ -163,7 +181,8 @@ class ShardedStateSource:
                     pad = memory.to(v.dtype)
                 full[k] = torch.cat([v, pad]).index_select(0, order)
             ids, tables = all_ids, full
-        model.load_compact_state(SortedRowIndex(ids), tables)
+        tables = {k: v.to(device) for k, v in tables.items()}
+        model.load_compact_state(SortedRowIndex(ids.to(device)), tables)
 
 
 def _isin_sorted(x: torch.Tensor, sorted_ids: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,121 @@
+"""The Ray backend: shard and trainer actors give exactly what the in-process group gives."""
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+
+from tidegraph.orchestrator import Orchestrator, RunState
+from tidegraph.orchestrator.ray_group import PlacementTimeout, RayGroup
+from tidegraph.runtime import set_determinism
+from tidegraph.training import ContinualLearner, RunConfig, load_stream
+
+sys.path.insert(0, str(Path(__file__).parent))
+import reference_run  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    ray.init(
+        _node_ip_address="127.0.0.1", num_cpus=6, include_dashboard=False,
+        namespace="tidegraph-tests", configure_logging=False,
+    )  # fmt: skip
+    yield
+    ray.shutdown()
+
+
+def config(model="tgn", backend="ray", **cluster) -> RunConfig:
+    raw = reference_run.reference_config(model)
+    raw["model"]["slot_precision"] = "fp32"
+    raw["cluster"] = {"backend": backend, **cluster}
+    raw["run_name"] = "tidegraph-test-run"
+    return RunConfig.from_dict(raw)
+
+
+def run(cfg: RunConfig, stream):
+    set_determinism(7, threads=1)
+    learner = ContinualLearner(cfg, stream)
+    try:
+        learner.run_phase1()
+        while not learner.done:
+            learner.step()
+        return learner.group.model_state(), learner.history, learner.group.node_state()
+    finally:
+        learner.group.shutdown()
+
+
+@pytest.fixture(scope="module")
+def wiki():
+    return load_stream("wikipedia", 1500)
+
+
+@pytest.mark.parametrize(("model", "memory"), [("tgn", "replicated"), ("apan", "sharded")])
+def test_ray_actors_give_bitwise_what_the_local_group_gives(ray_session, wiki, model, memory):
+    """Two trainers: gloo's all-reduce adds the two slice gradients once, as the local sum
+    does, so the runs agree to the bit (with more trainers, to the summation order)."""
+    local = run(config(model, "local", shards=2, trainers=2, memory=memory), wiki)
+    remote = run(config(model, "ray", shards=2, trainers=2, memory=memory), wiki)
+    assert local[0].keys() == remote[0].keys()
+    for key, x in local[0].items():  # parameters, and node state where replicas hold it
+        assert torch.equal(x, remote[0][key]), key
+    keys = ("ap", "auc", "mrr", "loss", "val_ap", "old_ap")
+    for a, b in zip(local[1], remote[1], strict=True):
+        assert {k: a[k] for k in keys if k in a} == {k: b[k] for k in keys if k in b}
+    want, got = _flat(local[2]), _flat(remote[2])  # node state: replica 0's or the shards'
+    assert len(want) == len(got) and all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+
+
+def _flat(x) -> list[torch.Tensor]:
+    if isinstance(x, dict | list):
+        return [t for v in (x.values() if isinstance(x, dict) else x) for t in _flat(v)]
+    return [torch.as_tensor(x)]
+
+
+def test_actors_are_named_in_the_run_namespace_and_released(ray_session, wiki):
+    learner = ContinualLearner(config(shards=2, trainers=2), wiki)
+    group = learner.group
+    names = ["tidegraph-shard-0", "tidegraph-shard-1", "tidegraph-trainer-0",
+             "tidegraph-trainer-1", "tidegraph-coordinator"]  # fmt: skip
+    for name in names:
+        assert ray.get_actor(name, namespace="tidegraph-test-run") is not None
+    assert set(group.placement()) == set(names[:4])
+    group.shutdown()
+    with pytest.raises(ValueError):
+        ray.get_actor("tidegraph-trainer-0", namespace="tidegraph-test-run")
+
+
+def test_a_group_the_cluster_cannot_place_fails_naming_the_missing_resources(ray_session, wiki):
+    free = ray.cluster_resources()["CPU"]  # all of it, once every actor so far is gone
+    RayGroup.placement_wait_s = 1.0
+    try:
+        orchestrator = Orchestrator(config(trainers=40), wiki)
+        assert orchestrator.step() is RunState.ERRORED
+    finally:
+        RayGroup.placement_wait_s = 120.0
+    err = orchestrator.error
+    assert isinstance(err, PlacementTimeout)
+    assert "could not place 40 trainers x {'CPU': 1.0}" in str(err)
+    for _ in range(100):  # its placement groups are released (asynchronously): bounded wait
+        if ray.available_resources().get("CPU") == free:
+            break
+        time.sleep(0.1)
+    assert ray.available_resources().get("CPU") == free
+
+
+def test_job_runs_on_ray(ray_session, tmp_path, capsys):
+    from tidegraph.jobs.train import main
+
+    args = ["--max-events", "1500", "--increments", "2", "--epochs", "1", "--no-progress",
+            "--backend", "ray", "--shards", "2", "--trainers", "2",
+            "--out", str(tmp_path)]  # fmt: skip
+    threads = torch.get_num_threads()
+    try:
+        assert main(args) == 0
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert "AP" in out and '"trainers": 2' in out
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3

@@ -1,0 +1,94 @@
+"""The run's state machine: place the group, run the continual procedure, finish or fail.
+
+`Orchestrator.step()` does one unit of work for the current state and returns the next:
+- SCHEDULING: build the group of shards and trainers (on Ray: wait, bounded, until the
+  cluster can place them) and the learner over it -> RUNNING;
+- RUNNING: phase 1, then one increment per call (ingest, evaluate, retrain) -> RUNNING, and
+  after the last increment the summary -> FINISHED;
+- any failure -> ERRORED, with the exception kept as `error` (RECOVERING and RESIZING come with
+  the recovery and elasticity work; their decisions will be pure policies).
+Each increment's record goes to `on_record` as it is made (the job prints it). The procedure
+itself is `ContinualLearner`'s, so every backend runs exactly the single-process semantics.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Callable
+
+from tidegraph.training.continual import ContinualLearner
+
+__all__ = ["Orchestrator", "RunState"]
+
+log = logging.getLogger(__name__)
+
+
+class RunState(enum.Enum):
+    SCHEDULING = "scheduling"
+    RUNNING = "running"
+    FINISHED = "finished"
+    ERRORED = "errored"
+
+
+TERMINAL = (RunState.FINISHED, RunState.ERRORED)
+
+
+class Orchestrator:
+    """Drives one run; `group` is a group factory (None: the configured backend's)."""
+
+    def __init__(
+        self, config, stream=None, group=None, on_record: Callable[[dict], None] | None = None
+    ) -> None:
+        self.config = config
+        self.stream = stream
+        self.group_factory = group
+        self.on_record = on_record or (lambda record: None)
+        self.state = RunState.SCHEDULING
+        self.learner: ContinualLearner | None = None
+        self.result: dict | None = None
+        self.error: BaseException | None = None
+
+    def step(self) -> RunState:
+        if self.state in TERMINAL:
+            return self.state
+        try:
+            self.state = self._advance()
+        except Exception as exc:  # the run fails as a whole; the error is reported, not lost
+            log.error("run failed in state %s: %s", self.state.value, exc)
+            self.error = exc
+            self.state = RunState.ERRORED
+        return self.state
+
+    def run(self) -> dict:
+        """Step until FINISHED (returns the summary) or ERRORED (raises the error)."""
+        while self.step() not in TERMINAL:
+            pass
+        self.close()
+        if self.state is RunState.ERRORED:
+            raise self.error
+        return self.result
+
+    def close(self) -> None:
+        if self.learner is not None:
+            self.learner.group.shutdown()
+
+    def _advance(self) -> RunState:
+        if self.state is RunState.SCHEDULING:
+            self.learner = ContinualLearner(self.config, self.stream, self.group_factory)
+            g = self.learner.group
+            log.info(
+                "placed %d shards and %d trainers (%s backend, node state %s)",
+                g.num_shards, g.num_trainers, self.config.cluster.backend,
+                g.memory_placement,
+            )  # fmt: skip
+            return RunState.RUNNING
+        learner = self.learner
+        if not learner.phase1_done:
+            self.on_record(learner.run_phase1())
+            return RunState.RUNNING
+        if not learner.done:
+            self.on_record(learner.step())
+            return RunState.RUNNING
+        self.result = learner.summary()
+        return RunState.FINISHED
