@@ -188,6 +188,7 @@ def test_each_owner_state_loads_alone_into_a_fresh_piece(memory):
 
 def test_job_flags_choose_shards_trainers_and_placement(tmp_path, capsys):
     args = ["--max-events", "2000", "--increments", "2", "--epochs", "1", "--no-progress"]
+    args += ["--backend", "local"]
     threads = torch.get_num_threads()
     try:
         extra = ["--shards", "2", "--trainers", "2", "--memory", "sharded", "--backend", "local"]

@@ -193,6 +193,7 @@ def test_job_entry_point_runs_and_writes_json_lines(tmp_path, capsys):
     from tidegraph.jobs.train import main
 
     args = ["--max-events", "1500", "--increments", "2", "--epochs", "1", "--no-progress"]
+    args += ["--backend", "local", "--shards", "1", "--trainers", "1"]
     threads = torch.get_num_threads()
     try:
         assert main(args + ["--out", str(tmp_path)]) == 0
@@ -375,3 +376,8 @@ def test_yaml_and_flags_map_onto_run_config(tmp_path):
     cfg = parse_config(["--config", str(path), "--max-events", "500", "--seed", "3"])
     assert cfg.model.name == "tgat" and cfg.model.dim == 32 and cfg.sampler.fanouts == [10, 10]
     assert cfg.continual.replay == "importance" and cfg.data.max_events == 500 and cfg.seed == 3
+    c = cfg.cluster  # the job's default: 2 shards and 2 trainers on Ray
+    assert (c.backend, c.shards, c.trainers) == ("ray", 2, 2)
+    path.write_text("cluster:\n  backend: local\n  trainers: 3\n")
+    c = parse_config(["--config", str(path), "--shards", "4"]).cluster
+    assert (c.backend, c.shards, c.trainers) == ("local", 4, 3)

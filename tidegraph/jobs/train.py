@@ -1,12 +1,14 @@
 """Entry point: `python -m tidegraph.jobs.train [--config CONFIG.yaml] [flags]`.
 
-With no arguments it runs continuous learning of TGN on the bundled wikipedia stream (phase 1
-on the first 30%, then 10 increments: evaluate first, then retrain with uniform replay) and
-prints each increment's AP/AUC/MRR and events/s; metrics go to `runs/latest/metrics.jsonl` (one
-JSON line per increment) and `summary.json`. `--shards P --trainers W` split the graph over P
-shards and the batch over W data-parallel trainers (`--backend local`: all in this process;
-same results as P = W = 1 up to float summation order). A YAML file maps onto `RunConfig`
-(sections `model`, `data`, `sampler`, `train`, `continual`, `cluster`); flags override it.
+With no arguments it starts a local Ray (or joins the cluster at `RAY_ADDRESS`) and runs
+continuous learning of TGN on the bundled wikipedia stream with 2 graph shards and 2
+data-parallel trainers as actors (phase 1 on the first 30%, then 10 increments: evaluate first,
+then retrain with uniform replay), printing each increment's AP/AUC/MRR and events/s; metrics
+go to `runs/latest/metrics.jsonl` (one JSON line per increment) and `summary.json`.
+`--shards P --trainers W` set the split (the same results as P = W = 1 up to float summation
+order); `--backend local` runs the same shards and trainers in this process. A YAML file maps
+onto `RunConfig` (sections `model`, `data`, `sampler`, `train`, `continual`, `cluster`); flags
+override it.
 """
 
 from __future__ import annotations
@@ -79,6 +81,9 @@ def parse_config(argv: list[str] | None = None) -> RunConfig:
     }.items():
         if getattr(args, flag) is not None:
             sections[section][key] = getattr(args, flag)
+    # the job's own default: a local Ray (or RAY_ADDRESS's) with 2 shards and 2 trainers
+    for key, value in (("backend", "ray"), ("shards", 2), ("trainers", 2)):
+        sections["cluster"].setdefault(key, value)
     raw.update(sections)
     for flag, key in (
         ("out", "out_dir"),

@@ -237,6 +237,9 @@ class RayGroup:
         ray.get([s.load_sampler_state.remote(x) for s, x in zip(self.shards, states,
                                                                 strict=True)])  # fmt: skip
 
+    def take_seconds(self) -> list[dict]:
+        return self._all("take_seconds")
+
     def model_state(self) -> dict:
         return ray.get(self.trainers[0].model_state.remote())
 

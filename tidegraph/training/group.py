@@ -210,6 +210,10 @@ class LocalGroup:
         for shard, state in zip(self.shards, states, strict=True):
             shard.load_sampler_state(state)
 
+    def take_seconds(self) -> list[dict]:
+        """Each trainer's seconds per step phase since the last call."""
+        return [t.take_seconds() for t in self.trainers]
+
     def model_state(self) -> dict:
         """Replica 0's model state (parameters, and node state when replicated)."""
         return self.trainers[0].model.state_dict()

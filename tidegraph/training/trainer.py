@@ -16,6 +16,8 @@ Node state is read-only during a step: each slice reads what the previous step l
 from __future__ import annotations
 
 import logging
+import time
+from collections import defaultdict
 
 import torch
 import torch.nn.functional as F
@@ -76,6 +78,9 @@ class TrainerCore:
         t = config.train
         self.train_negatives, self.eval_negatives = t.train_negatives, t.eval_negatives
         self.eval_max_roots = t.eval_max_roots
+        # seconds per phase of training steps: sample, fetch (features, node state), compute
+        # (forward, backward), allreduce, optimizer, apply (node-state updates)
+        self.seconds: dict[str, float] = defaultdict(float)
 
     # ---- parameters -------------------------------------------------------------------------
 
@@ -99,14 +104,20 @@ class TrainerCore:
     # ---- one step ---------------------------------------------------------------------------
 
     def _forward(self, ev: EventBatch, neg_BQ: torch.Tensor, observe: EventBatch | None = None):
+        t0 = time.perf_counter()
         roots, ts = link_roots(ev.src, ev.dst, neg_BQ, ev.t)
         blocks = self.sampler.sample(roots, ts)
         blocks = _blocks_to(blocks, self.device)
+        t1 = time.perf_counter()
         observe = join_edge_features(self.edge_cache, blocks, observe)
         if self.state_source is not None:
             self.state_source.install(self.model, roots, blocks)
+        t2 = time.perf_counter()
         d = self.device
         scores = self.model.score(ev.src.to(d), ev.dst.to(d), neg_BQ.to(d), ev.t.to(d), blocks)
+        self.seconds["sample"] += t1 - t0
+        self.seconds["fetch"] += t2 - t1
+        self.seconds["compute"] += time.perf_counter() - t2
         return scores, observe
 
     def train_slice(
@@ -132,8 +143,10 @@ class TrainerCore:
         loss = loss_e.mean()
         if len(ev) != global_size:  # this slice's share of the global mean
             loss = loss * (len(ev) / global_size)
+        t0 = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        self.seconds["compute"] += time.perf_counter() - t0
         if observe is not None:
             observe = observe.to(self.device)
         updates = self.model.take_updates(observe)
@@ -160,19 +173,27 @@ class TrainerCore:
         else:
             self.optimizer.zero_grad()
             loss, updates = 0.0, None
+        t0 = time.perf_counter()
         collective.allreduce_sum_(self.optimizer.flat_grad)
+        t1 = time.perf_counter()
         self.optimizer.step()
+        self.seconds["allreduce"] += t1 - t0
+        self.seconds["optimizer"] += time.perf_counter() - t1
         return loss, updates
 
     def apply(self, reduced_grad: torch.Tensor, updates: list) -> None:
         """Optimizer step with the reduced gradient, then every slice's node-state updates
         (which shards apply instead when they hold the node state)."""
         flat = self.optimizer.flat_grad
+        t0 = time.perf_counter()
         if reduced_grad is not flat:
             flat.copy_(reduced_grad)
         self.optimizer.step()
+        t1 = time.perf_counter()
         if self.state_source is None:
             self.model.apply_updates(updates)
+        self.seconds["optimizer"] += t1 - t0
+        self.seconds["apply"] += time.perf_counter() - t1
 
     @torch.no_grad()
     def eval_slice(
@@ -204,8 +225,15 @@ class TrainerCore:
     # ---- node state -------------------------------------------------------------------------
 
     def apply_updates(self, updates: list) -> None:
+        t0 = time.perf_counter()
         if self.state_source is None:
             self.model.apply_updates(updates)
+        self.seconds["apply"] += time.perf_counter() - t0
+
+    def take_seconds(self) -> dict[str, float]:
+        """Seconds per step phase since the last call (and start counting anew)."""
+        out, self.seconds = dict(self.seconds), defaultdict(float)
+        return out
 
     def reset_state(self) -> None:
         self.model.reset_state()

@@ -1,0 +1,107 @@
+"""Events/s trained on Ray for W trainers and P shards, against the single-process learner.
+
+For each configuration a fresh learner ingests phase 1 of the stream, trains an untimed warm-up
+pass, then one timed training pass over phase 1's training events (TGN, batch 200). Trainer
+actors run one torch thread each; the single-process baselines run with 1 and 2 threads.
+Per configuration it reports events/s and the per-step time split, averaged over trainers:
+sample (hop requests to shards, merge), fetch (features, node state), compute (forward and
+backward), all-reduce, optimizer, apply (node-state updates of every slice), and the rest of
+the wall time (driver routing and negatives, Ray task dispatch and object transfer, waiting).
+
+    python benchmarks/bench_scaling.py --dataset wikipedia --max-events 60000
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # a local Ray on loopback
+
+from common import machine, write_json  # noqa: E402
+
+from tidegraph.runtime import set_determinism  # noqa: E402
+from tidegraph.training import ContinualLearner, RunConfig, load_stream  # noqa: E402
+from tidegraph.training.schedule import phase1_bounds  # noqa: E402
+
+PHASES = ("sample", "fetch", "compute", "allreduce", "optimizer", "apply")
+CONFIGS = [("local", 1, 1, 1), ("local", 1, 1, 2), ("ray", 1, 1, 1), ("ray", 2, 1, 1),
+           ("ray", 1, 2, 1), ("ray", 2, 2, 1), ("ray", 2, 4, 1)]  # fmt: skip
+
+
+def config(args, backend: str, shards: int, trainers: int, threads: int) -> RunConfig:
+    return RunConfig.from_dict({
+        "model": {"name": "tgn"},
+        "data": {"dataset": args.dataset, "max_events": args.max_events},
+        "train": {"batch_size": args.batch_size},
+        "cluster": {"backend": backend, "shards": shards, "trainers": trainers},
+        "progress": False, "out_dir": None, "threads": threads, "run_name": "bench-scaling",
+    })  # fmt: skip
+
+
+def measure(args, stream, backend, shards, trainers, threads) -> dict:
+    cfg = config(args, backend, shards, trainers, threads)
+    set_determinism(cfg.seed, threads=threads)
+    learner = ContinualLearner(cfg, stream)
+    try:
+        val_start, end = phase1_bounds(len(stream.events), cfg.continual)
+        learner.ingest(0, end)
+        warm = min(args.warmup, val_start // 2)
+        learner.train_pass(0, warm, "warm-up")
+        learner.group.take_seconds()
+        t0 = time.perf_counter()
+        learner.train_pass(warm, val_start, "timed")
+        wall = time.perf_counter() - t0
+        seconds = learner.group.take_seconds()
+    finally:
+        learner.group.shutdown()
+    steps = -(-(val_start - warm) // args.batch_size)
+    split = {p: statistics.mean(s.get(p, 0.0) for s in seconds) / steps * 1e3 for p in PHASES}
+    split["other"] = wall / steps * 1e3 - sum(split.values())
+    return {"events_per_s": (val_start - warm) / wall, "ms_per_step": split, "steps": steps}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--dataset", default="wikipedia")
+    p.add_argument("--max-events", type=int, default=60000)
+    p.add_argument("--batch-size", type=int, default=200)
+    p.add_argument("--warmup", type=int, default=2000)
+    p.add_argument("--repeats", type=int, default=1)
+    args = p.parse_args()
+    import ray
+
+    ray.init(_node_ip_address="127.0.0.1", num_cpus=6, include_dashboard=False,
+             configure_logging=False)  # fmt: skip
+    stream = load_stream(args.dataset, args.max_events)
+    rows = {c: [] for c in CONFIGS}
+    for _ in range(args.repeats):  # round robin, so drift on the box touches every config
+        for c in CONFIGS:
+            rows[c].append(measure(args, stream, *c))
+    ray.shutdown()
+    base1 = statistics.median(r["events_per_s"] for r in rows[("local", 1, 1, 1)])
+    base2 = statistics.median(r["events_per_s"] for r in rows[("local", 1, 1, 2)])
+    print(f"{machine()}; {args.dataset} {args.max_events} events, TGN, batch {args.batch_size}")
+    head = ["backend", "P", "W", "thr", "ev/s", "x 1-thr", "x 2-thr", *PHASES, "other"]
+    print(" ".join(f"{h:>9}" for h in head))
+    out = []
+    for c, runs in rows.items():
+        best = max(runs, key=lambda r: r["events_per_s"])
+        rate = statistics.median(r["events_per_s"] for r in runs)
+        ms = best["ms_per_step"]
+        cells = [c[0], c[1], c[2], c[3], f"{rate:.0f}", f"{rate / base1:.2f}",
+                 f"{rate / base2:.2f}", *(f"{ms[k]:.2f}" for k in (*PHASES, "other"))]  # fmt: skip
+        print(" ".join(f"{x:>9}" for x in cells))
+        out.append({"backend": c[0], "shards": c[1], "trainers": c[2], "threads": c[3],
+                    "events_per_s": rate, "vs_1_thread": rate / base1,
+                    "vs_2_threads": rate / base2, "ms_per_step": ms})  # fmt: skip
+    write_json(f"scaling_{args.dataset}_{args.max_events}.json", {"args": vars(args), "rows": out})
+
+
+if __name__ == "__main__":
+    main()
