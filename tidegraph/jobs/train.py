@@ -16,7 +16,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
+import time
 from pathlib import Path
 
 import yaml
@@ -42,7 +44,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--replay", help="uniform or importance")
     p.add_argument("--mode", help="continual (default) or offline (70/15/15)")
     p.add_argument("--epochs", type=int, help="phase-1 (or offline) epochs")
-    p.add_argument("--out", help="output directory (metrics.jsonl, summary.json)")
+    p.add_argument("--out", help="the run directory itself (instead of STORAGE/RUN_NAME)")
+    p.add_argument("--storage", help="where run directories live: a path or s3://, gs:// URI")
+    p.add_argument("--resume", action="store_true", help="continue the run named --run-name")
+    p.add_argument("--checkpoint-every", type=int, help="increments between checkpoints")
     p.add_argument("--seed", type=int)
     p.add_argument("--device", help="cpu or cuda")
     p.add_argument("--threads", type=int, help="torch CPU threads (1 is fastest on a busy box)")
@@ -57,7 +62,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def parse_config(argv: list[str] | None = None) -> RunConfig:
-    args = _parser().parse_args(argv)
+    return _config(_parser().parse_args(argv))
+
+
+def _config(args: argparse.Namespace) -> RunConfig:
     raw = {}
     if args.config:
         raw = yaml.safe_load(Path(args.config).read_text()) or {}
@@ -91,6 +99,8 @@ def parse_config(argv: list[str] | None = None) -> RunConfig:
         ("device", "device"),
         ("threads", "threads"),
         ("run_name", "run_name"),
+        ("storage", "storage"),
+        ("checkpoint_every", "checkpoint_every"),
     ):
         if getattr(args, flag) is not None:
             raw[key] = getattr(args, flag)
@@ -104,14 +114,19 @@ def parse_config(argv: list[str] | None = None) -> RunConfig:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     tune_host_allocator()
+    args = _parser().parse_args(argv)
     try:
-        config = parse_config(argv)
+        config = _config(args)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    if config.out_dir:
-        for name in ("metrics.jsonl", "summary.json", "offline.json"):
-            (Path(config.out_dir) / name).unlink(missing_ok=True)  # this run's files start empty
+    resume = args.resume
+    try:
+        config, run_dir = _open_run(config, resume, args.out)
+    except ValueError as err:  # a run there already, nothing to resume, unwritable storage
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"run {config.run_name}: {run_dir.path}", flush=True)
     set_determinism(config.seed, 0, config.deterministic, config.threads)
     log.info("config: %s", json.dumps(config.to_dict()))
     if config.mode == "offline":
@@ -124,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
 
         started = connect(config)
     try:
-        return _run(config)
+        return _run(config, run_dir, resume)
     finally:
         if started:
             import ray
@@ -132,10 +147,46 @@ def main(argv: list[str] | None = None) -> int:
             ray.shutdown()
 
 
-def _run(config: RunConfig) -> int:
+def _open_run(config: RunConfig, resume: bool, out: str | None):
+    """The run directory (fresh, or resumed with its stored config) and the config to run;
+    `out` (--out) names the run directory itself."""
+    from tidegraph.orchestrator.rundir import RunDir
+
+    if out is not None:
+        out = Path(out).absolute()
+        storage, name = str(out.parent), out.name
+    else:
+        name = config.run_name or time.strftime("run-%Y%m%d-%H%M%S-") + os.urandom(2).hex()
+        storage = config.storage
+    run_dir = RunDir(storage, name, resume)
+    if resume:
+        stored = RunConfig.from_dict(run_dir.load_config())
+        changed = _diff(stored.to_dict(), config.to_dict(), ("run_name", "out_dir", "storage"))
+        if changed:
+            log.warning("resuming with the run's stored config; ignoring changed %s", changed)
+        config = stored
+    config.run_name, config.storage = name, storage
+    config.out_dir = run_dir.path if run_dir.local else str(Path("runs") / name)
+    return config, run_dir
+
+
+def _diff(a: dict, b: dict, skip: tuple[str, ...], prefix: str = "") -> list[str]:
+    out = []
+    for key in sorted(set(a) | set(b)):
+        if key in skip:
+            continue
+        x, y = a.get(key), b.get(key)
+        if isinstance(x, dict) and isinstance(y, dict):
+            out += _diff(x, y, (), f"{prefix}{key}.")
+        elif x != y:
+            out.append(f"{prefix}{key}")
+    return out
+
+
+def _run(config: RunConfig, run_dir, resume: bool) -> int:
     from tidegraph.orchestrator import Orchestrator, RunState
 
-    orchestrator = Orchestrator(config, on_record=_print_record)
+    orchestrator = Orchestrator(config, on_record=_print_record, run_dir=run_dir, resume=resume)
     while orchestrator.step() not in (RunState.FINISHED, RunState.ERRORED):
         pass
     orchestrator.close()

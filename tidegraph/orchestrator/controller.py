@@ -7,6 +7,9 @@
   after the last increment the summary -> FINISHED;
 - any failure -> ERRORED, with the exception kept as `error` (RECOVERING and RESIZING come with
   the recovery and elasticity work; their decisions will be pure policies).
+With a `RunDir`, ingested events go to its durable event log first, a checkpoint (every piece of
+state, with the log offset) is written after phase 1, every `checkpoint_every` increments and
+at the end, and `resume` restores the newest one before RUNNING.
 Each increment's record goes to `on_record` as it is made (the job prints it). The procedure
 itself is `ContinualLearner`'s, so every backend runs exactly the single-process semantics.
 """
@@ -14,6 +17,7 @@ itself is `ContinualLearner`'s, so every backend runs exactly the single-process
 from __future__ import annotations
 
 import enum
+import json
 import logging
 from collections.abc import Callable
 
@@ -38,9 +42,17 @@ class Orchestrator:
     """Drives one run; `group` is a group factory (None: the configured backend's)."""
 
     def __init__(
-        self, config, stream=None, group=None, on_record: Callable[[dict], None] | None = None
+        self,
+        config,
+        stream=None,
+        group=None,
+        on_record: Callable[[dict], None] | None = None,
+        run_dir=None,
+        resume: bool = False,
     ) -> None:
         self.config = config
+        self.run_dir = run_dir
+        self.resume = resume
         self.stream = stream
         self.group_factory = group
         self.on_record = on_record or (lambda record: None)
@@ -75,7 +87,12 @@ class Orchestrator:
 
     def _advance(self) -> RunState:
         if self.state is RunState.SCHEDULING:
-            self.learner = ContinualLearner(self.config, self.stream, self.group_factory)
+            events = None if self.run_dir is None else self.run_dir.event_log()
+            self.learner = ContinualLearner(self.config, self.stream, self.group_factory, events)
+            if self.resume:
+                self._restore()
+            elif self.run_dir is not None:
+                self.run_dir.save_config(self.config.to_dict())
             g = self.learner.group
             log.info(
                 "placed %d shards and %d trainers (%s backend, node state %s)",
@@ -86,9 +103,35 @@ class Orchestrator:
         learner = self.learner
         if not learner.phase1_done:
             self.on_record(learner.run_phase1())
+            self._checkpoint("phase1")
             return RunState.RUNNING
         if not learner.done:
             self.on_record(learner.step())
+            k = learner.cursor.increment
+            if k % self.config.checkpoint_every == 0 or learner.done:
+                self._checkpoint(f"increment-{k:05d}")
             return RunState.RUNNING
         self.result = learner.summary()
         return RunState.FINISHED
+
+    def _checkpoint(self, tag: str) -> None:
+        if self.run_dir is None:
+            return
+        state = {"learner": self.learner.state_dict(), "log_offset": self.learner.ingested,
+                 "config": self.config.to_dict()}  # fmt: skip
+        self.run_dir.save_checkpoint(state, tag)
+
+    def _restore(self) -> None:
+        state = self.run_dir.load_checkpoint()
+        self.learner.load_state_dict(state["learner"])
+        history = self.learner.history
+        out = self.config.out_dir
+        if out:  # the metrics of increments after the checkpoint are made again
+            from pathlib import Path
+
+            path = Path(out) / "metrics.jsonl"
+            path.write_text("".join(json.dumps(r) + "\n" for r in history))
+        log.info(
+            "resumed after %d increments at log offset %d", self.learner.cursor.increment,
+            state["log_offset"],
+        )  # fmt: skip

@@ -221,7 +221,9 @@ class RunConfig:
     device: str = "cpu"
     graph_device: str | None = None  # where the graph lives and sampling runs; None: device
     out_dir: str | None = "runs/latest"
-    run_name: str | None = None  # names the run's Ray namespace (None: "tidegraph")
+    run_name: str | None = None  # the run's directory under `storage` and its Ray namespace
+    storage: str = "runs"  # a local path or a URI pyarrow.fs opens (s3://, gs://)
+    checkpoint_every: int = 1  # increments between checkpoints (and one after phase 1, at end)
     progress: bool = True
     # torch CPU threads, set by the job entry point; 1 is fastest on small CPU boxes (these
     # batches are small, and threads thrash when other processes compete); None: torch's default
@@ -234,6 +236,8 @@ class RunConfig:
         a, b = self.offline_split
         if not (0 < a and 0 <= b and a + b < 1):
             raise ValueError(f"offline_split must be (train, val) with train + val < 1, got {a, b}")
+        if self.checkpoint_every < 1:
+            raise ValueError(f"checkpoint_every must be >= 1, got {self.checkpoint_every}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1 or None, got {self.threads}")
         if self.graph_device is None:

@@ -60,9 +60,13 @@ log = logging.getLogger(__name__)
 class ContinualLearner:
     """Phase 1, then `step()` per increment; plain class, state in `state_dict()`."""
 
-    def __init__(self, config: RunConfig, stream: Stream | None = None, group=None) -> None:
+    def __init__(
+        self, config: RunConfig, stream: Stream | None = None, group=None, event_log=None
+    ) -> None:
         """`group`: a callable (config, num_nodes, edge_dim, expected_nodes=...) -> group;
-        None: the backend `config.cluster.backend` names (`LocalGroup`, or Ray actors)."""
+        None: the backend `config.cluster.backend` names (`LocalGroup`, or Ray actors).
+        `event_log`: an `EventLog` every ingested batch is made durable in before routing."""
+        self.event_log = event_log
         self.config = config
         self.device = torch.device(config.device)
         d = config.data
@@ -274,7 +278,10 @@ class ContinualLearner:
     def ingest(self, start: int, end: int) -> None:
         if end <= self.cursor.ingested:
             return
-        ev = self.events.select(slice(max(start, self.cursor.ingested), end))
+        lo = max(start, self.cursor.ingested)
+        ev = self.events.select(slice(lo, end))
+        if self.event_log is not None:  # durable before any shard sees it
+            self.event_log.append(ev, lo, end)
         if len(ev):
             top = int(torch.maximum(ev.src.max(), ev.dst.max())) + 1
             self.num_nodes = max(self.num_nodes, top)
