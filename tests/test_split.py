@@ -319,3 +319,49 @@ def test_chunked_evaluation_reads_the_previous_step_in_every_chunk(model, float6
         results.append(torch.cat([s.flatten() for s in scores]))
     for got in results[1:]:
         assert rel(results[0], got) < 1e-12
+
+
+# ---- the schedule ---------------------------------------------------------------------------
+
+
+def test_schedule_lists_the_run_as_units_with_consecutive_steps(wiki):
+    from tidegraph.training.schedule import Schedule
+
+    cfg = config("tgn")
+    a = Schedule(wiki.events.t, cfg.continual, cfg.train.batch_size, cfg.train.epochs)
+    b = Schedule(wiki.events.t, cfg.continual, cfg.train.batch_size, cfg.train.epochs)
+    assert a.units == b.units  # pure
+    steps = [u.step for u in a.units if u.kind == "train"]
+    assert steps == list(range(len(steps)))
+    kinds = [u.kind for u in a.units]
+    assert kinds.count("phase_end") == 1 and kinds.count("increment_end") == len(a.increments)
+    ingested = [(u.lo, u.hi) for u in a.units if u.kind == "ingest"]
+    assert ingested[0] == (0, a.phase1_end) and ingested[1:] == a.increments
+    covered = [(u.lo, u.hi) for u in a.units if u.kind == "train" and u.increment == 0]
+    assert covered[0][0] == a.increments[0][0] and covered[-1][1] == a.increments[0][1]
+
+
+@pytest.mark.parametrize("memory", ["replicated", "sharded"])
+def test_a_checkpoint_at_any_unit_boundary_resumes_to_the_same_run(wiki, memory):
+    import io
+
+    cfg = config("tgn", 2, 2, cluster={"shards": 2, "trainers": 2, "memory": memory})
+    whole = ContinualLearner(cfg, wiki)
+    whole.run()
+    units = whole.schedule.units
+    # inside the first increment's retraining pass, between two training steps
+    cut = next(i for i, u in enumerate(units) if u.kind == "train" and u.increment == 0) + 2
+    part = ContinualLearner(cfg, wiki)
+    while part.cursor.unit < cut:
+        part.run_unit(units[part.cursor.unit])
+    buffer = io.BytesIO()
+    torch.save(part.state_dict(), buffer)
+    buffer.seek(0)
+    resumed = ContinualLearner(cfg, wiki)
+    resumed.load_state_dict(torch.load(buffer, weights_only=False))
+    while not resumed.done:
+        resumed.step()
+    drop = lambda h: [{k: v for k, v in r.items() if "_per_s" not in k} for r in h]  # noqa: E731
+    assert drop(resumed.history) == drop(whole.history)
+    want, got = whole.group.model_state(), resumed.group.model_state()
+    assert all(torch.equal(want[k], got[k]) for k in want)

@@ -68,7 +68,7 @@ class _Trainer:
         return None if cache is None else cache.stats()
 
     def model_state(self) -> dict:
-        return self.core.model.state_dict()
+        return self.core.model_state()
 
 
 TrainerActor = ray.remote(_Trainer)

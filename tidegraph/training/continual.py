@@ -50,7 +50,7 @@ from tidegraph.training.group import LocalGroup
 from tidegraph.training.metrics import average_precision, link_metrics
 from tidegraph.training.progress import Progress
 from tidegraph.training.sampling import NegativeSampler, build_replay
-from tidegraph.training.schedule import Cursor, batch_bounds, increment_bounds, phase1_bounds
+from tidegraph.training.schedule import Cursor, Schedule, Unit, batch_bounds
 
 __all__ = ["ContinualLearner"]
 
@@ -89,9 +89,12 @@ class ContinualLearner:
         self.forget_gen = seed_stream(seed, "forgetting")
         t = config.train
         self.train_negatives, self.eval_negatives = t.train_negatives, t.eval_negatives
-        self.val_start, self.phase1_end = phase1_bounds(len(self.events), config.continual)
-        self.bounds = increment_bounds(self.events.t, self.phase1_end, config.continual)
+        t = config.train
+        self.schedule = Schedule(self.events.t, config.continual, t.batch_size, t.epochs)
+        self.val_start, self.phase1_end = self.schedule.val_start, self.schedule.phase1_end
+        self.bounds = self.schedule.increments
         self.cursor = Cursor()
+        self.pass_state: dict = {}  # accumulators of the pass under way (checkpointed)
         self.history: list[dict] = []
 
     # replica 0's pieces (all replicas are identical after every step)
@@ -137,60 +140,138 @@ class ContinualLearner:
         return self.summary()
 
     def run_phase1(self) -> dict:
-        cfg = self.config
-        val_start, end = self.val_start, self.phase1_end
-        self.ingest(0, end)
-        record = {"phase": "phase1", "train_events": val_start, "val_events": end - val_start}
-        record.update(self._cluster_record())
-        part = self.group.report(self.events.src[:end], self.events.dst[:end])
-        record.update({f"partition_{k}": v for k, v in part.items() if k != "shard_events"})
-        log.info("partition: %s", part)
-        for epoch in range(cfg.train.epochs):
-            self.group.reset_state()
-            rate, loss = self.train_pass(0, val_start, f"phase1 epoch {epoch + 1}")
-            metrics = self.eval_pass(val_start, end, f"phase1 val {epoch + 1}", observe=True)
-            log.info("phase 1 epoch %d: loss %.4f val %s", epoch + 1, loss, _fmt(metrics))
-            record.update({"epoch": epoch + 1, "loss": loss, "train_events_per_s": rate})
-            record.update({f"val_{k}": v for k, v in metrics.items()})
-        self.cursor.phase1_done = True
-        self._log(record)
-        return record
+        """Phase 1's units: ingest, then per epoch a training and a validation pass."""
+        if self.cursor.phase1_done:
+            raise RuntimeError("ContinualLearner.run_phase1: phase 1 is done")
+        return self._run_until("phase_end")
 
     def step(self) -> dict:
-        """Ingest, evaluate, retrain on the next increment; returns its metrics."""
+        """The next increment's units: ingest, evaluate, retrain; returns its metrics."""
         if not self.cursor.phase1_done:
             raise RuntimeError("ContinualLearner.step: run_phase1() first")
         if self.done:
             raise StopIteration("ContinualLearner.step: the stream is exhausted")
-        k = self.cursor.increment
-        start, end = self.bounds[k]
-        c = self.config.continual
-        t0 = time.perf_counter()
-        self.ingest(start, end)
-        before = self.group.node_state()
-        metrics = self.eval_pass(start, end, f"increment {k + 1} eval", observe=True)
-        eval_s = time.perf_counter() - t0
-        if c.fresh_optimizer:
+        return self._run_until("increment_end")
+
+    # ---- units ------------------------------------------------------------------------------
+
+    def _run_until(self, kind: str) -> dict:
+        units = self.schedule.units
+        while True:
+            unit = units[self.cursor.unit]
+            result = self.run_unit(unit)
+            if unit.kind == kind:
+                return result
+
+    def run_unit(self, u: Unit) -> dict | None:
+        """Execute unit `u` (the cursor's next one) and advance the cursor past it."""
+        if u != self.schedule.units[self.cursor.unit]:
+            raise RuntimeError(f"run_unit: {u} is not the cursor's next unit")
+        out = getattr(self, f"_unit_{u.kind}")(u, self.pass_state)
+        self.cursor.unit += 1
+        return out
+
+    def _unit_ingest(self, u: Unit, ps: dict) -> None:
+        ps.clear()
+        ps["t0"] = time.perf_counter()
+        self.ingest(u.lo, u.hi)
+        if u.increment < 0:
+            val_start, end = self.val_start, self.phase1_end
+            record = {"phase": "phase1", "train_events": val_start, "val_events": end - val_start}
+            record.update(self._cluster_record())
+            part = self.group.report(self.events.src[:end], self.events.dst[:end])
+            record.update({f"partition_{k}": v for k, v in part.items() if k != "shard_events"})
+            log.info("partition: %s", part)
+            ps["record"] = record
+
+    def _unit_reset(self, u: Unit, ps: dict) -> None:
+        self.group.reset_state()
+
+    def _unit_snapshot(self, u: Unit, ps: dict) -> None:
+        ps["before"] = self.group.node_state()
+
+    def _unit_train(self, u: Unit, ps: dict) -> None:
+        if u.part == 0:
+            ps.update(loss_total=0.0, loss_events=0, t_pass=time.perf_counter())
+        ev = self.events.select(slice(u.lo, u.hi))
+        weight, n_new = None, len(ev)
+        if u.increment >= 0:  # retraining: the batch plus its share of the epoch's replay
+            rep = self.events.select(ps["replay_pos"][ps["replay_parts"][u.part]])
+            weight = torch.cat(
+                [torch.ones(len(ev)), ps["replay_weight"][ps["replay_parts"][u.part]]]
+            )
+            ev = EventBatch.cat([ev, rep])
+        neg = self.negatives.sample(len(ev), self.train_negatives)
+        ps["loss_total"] += self.group.train_step(ev, weight, neg, n_new) * len(ev)
+        ps["loss_events"] += len(ev)
+        self.cursor.step += 1
+        self._bar(u, ps, len(ev))
+
+    def _unit_train_end(self, u: Unit, ps: dict) -> None:
+        ps["loss"] = ps["loss_total"] / max(ps["loss_events"], 1)
+        ps["train_rate"] = self._close_bar(ps, ps["loss_events"])
+
+    def _unit_eval(self, u: Unit, ps: dict) -> None:
+        if u.part == 0:
+            ps.update(pos=[], neg=[], t_pass=time.perf_counter())
+        p, n = self._eval_batch(self.events.select(slice(u.lo, u.hi)), observe=True)
+        ps["pos"].append(p)
+        ps["neg"].append(n)
+        self._bar(u, ps, u.hi - u.lo)
+
+    def _unit_eval_end(self, u: Unit, ps: dict) -> None:
+        self._close_bar(ps, u.hi - u.lo)
+        metrics = link_metrics(torch.cat(ps.pop("pos")), torch.cat(ps.pop("neg")))
+        if u.increment < 0:
+            log.info("phase 1 epoch %d: loss %.4f val %s", u.epoch + 1, ps["loss"], _fmt(metrics))
+            ps["record"].update(
+                {"epoch": u.epoch + 1, "loss": ps["loss"], "train_events_per_s": ps["train_rate"]}
+            )
+            ps["record"].update({f"val_{k}": v for k, v in metrics.items()})
+        else:
+            ps["metrics"] = metrics
+            ps["eval_s"] = time.perf_counter() - ps["t0"]
+
+    def _unit_retrain_begin(self, u: Unit, ps: dict) -> None:
+        if self.config.continual.fresh_optimizer:
             self.group.new_optimizers()
-        t1 = time.perf_counter()
+        ps["t_train"] = time.perf_counter()
         # GNNFlow's restoration: seed the feature caches with the round's edges
-        self.group.restore_caches(self.events.eid[start:end])
-        loss, n_replay = float("nan"), 0
-        for epoch in range(c.retrain_epochs):
-            self.group.load_node_state(before)
-            loss, n_replay = self._retrain_pass(start, end, f"increment {k + 1} train {epoch + 1}")
-        train_s = time.perf_counter() - t1
+        self.group.restore_caches(self.events.eid[u.lo : u.hi])
+        ps.update(loss=float("nan"), replayed=0)
+
+    def _unit_restore(self, u: Unit, ps: dict) -> None:
+        self.group.load_node_state(ps["before"])
+
+    def _unit_replay(self, u: Unit, ps: dict) -> None:
+        m = int(round(self.config.continual.replay_ratio * (u.hi - u.lo)))
+        pos, weight = self.replay.select(self.events, u.lo, slice(u.lo, u.hi), m)
+        n_batches = -(-(u.hi - u.lo) // self.config.train.batch_size)
+        ps.update(replay_pos=pos, replay_weight=weight, replayed=int(pos.numel()))
+        ps["replay_parts"] = torch.tensor_split(torch.arange(pos.numel()), n_batches)
+
+    def _unit_phase_end(self, u: Unit, ps: dict) -> dict:
+        record = ps.pop("record")
+        self.cursor.phase1_done = True
+        self._log(record)
+        return record
+
+    def _unit_increment_end(self, u: Unit, ps: dict) -> dict:
+        c = self.config.continual
+        k, start, end = u.increment, u.lo, u.hi
+        train_s = time.perf_counter() - ps["t_train"]
+        n_replay = ps["replayed"]
         record = {
             "phase": "increment",
             "increment": k,
             "events": end - start,
             "t_start": float(self.events.t[start]),
             "t_end": float(self.events.t[end - 1]),
-            **metrics,
-            "loss": loss,
+            **ps["metrics"],
+            "loss": ps["loss"],
             "replayed": n_replay,
             "old_ap": self._old_ap(start),
-            "eval_events_per_s": (end - start) / eval_s,
+            "eval_events_per_s": (end - start) / ps["eval_s"],
             "train_events_per_s": (end - start + n_replay) * c.retrain_epochs / max(train_s, 1e-9),
         }
         stats = self.group.cache_stats()
@@ -198,8 +279,23 @@ class ContinualLearner:
             for key in ("hit_rate", "bytes_h2d", "lookup_seconds", "capacity"):
                 record[f"edge_cache_{key}"] = stats[key]
         self.cursor.increment += 1
+        ps.clear()
         self._log(record)
         return record
+
+    def _bar(self, u: Unit, ps: dict, n: int) -> None:
+        if "bar" not in ps:
+            what = "phase1" if u.increment < 0 else f"increment {u.increment + 1}"
+            total = (u.hi - u.lo) * u.parts  # approximate: batches of equal size
+            ps["bar"] = Progress(total, f"{what} {u.kind} {max(u.epoch, 0) + 1}",
+                                 self.config.progress)  # fmt: skip
+        ps["bar"].update(n)
+
+    def _close_bar(self, ps: dict, n: int) -> float:
+        bar = ps.pop("bar", None)
+        if bar is not None:
+            bar.close()
+        return n / max(time.perf_counter() - ps.pop("t_pass", time.perf_counter()), 1e-9)
 
     def summary(self) -> dict:
         """Mean metrics over increments, and forgetting: first AP minus AP now, per increment.
@@ -246,6 +342,8 @@ class ContinualLearner:
             "forget_gen": self.forget_gen.get_state(),
             "history": [dict(r) for r in self.history],
             "slot_precision": self.slot_precision,
+            # the pass under way (not its progress bar; wall-clock stamps restart on load)
+            "pass": {k: v for k, v in self.pass_state.items() if k != "bar"},
         }
 
     def load_orchestrator_state(self, state: dict) -> None:
@@ -255,6 +353,11 @@ class ContinualLearner:
         self.replay.load_state_dict(state["replay"])
         load_generator_state(self.forget_gen, state["forget_gen"], "forgetting probe")
         self.history = [dict(r) for r in state["history"]]
+        self.pass_state = dict(state.get("pass", {}))
+        now = time.perf_counter()
+        for key in ("t0", "t_pass", "t_train"):
+            if key in self.pass_state:
+                self.pass_state[key] = now
         saved = state.get("slot_precision", self.slot_precision)
         if saved != self.slot_precision:
             log.warning(
@@ -302,25 +405,6 @@ class ContinualLearner:
             self.cursor.step += 1
             bar.update(len(ev))
         return bar.close(), total / max(end - start, 1)
-
-    def _retrain_pass(self, start: int, end: int, desc: str) -> tuple[float, int]:
-        c = self.config.continual
-        m = int(round(c.replay_ratio * (end - start)))
-        pos, weight = self.replay.select(self.events, start, slice(start, end), m)
-        n_batches = -(-(end - start) // self.config.train.batch_size)
-        rep_parts = torch.tensor_split(torch.arange(pos.numel()), n_batches)
-        bar = Progress(end - start + pos.numel(), desc, self.config.progress)
-        total = 0.0
-        for ev, part in zip(self._batches(start, end), rep_parts, strict=True):
-            rep = self.events.select(pos[part])
-            both = EventBatch.cat([ev, rep])
-            w = torch.cat([torch.ones(len(ev)), weight[part]])
-            neg = self.negatives.sample(len(both), self.train_negatives)
-            total += self.group.train_step(both, w, neg, len(ev)) * len(both)
-            self.cursor.step += 1
-            bar.update(len(both))
-        bar.close()
-        return total / max(end - start + pos.numel(), 1), int(pos.numel())
 
     def eval_pass(self, start: int, end: int, desc: str, observe: bool) -> dict:
         bar = Progress(end - start, desc, self.config.progress)

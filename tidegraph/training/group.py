@@ -216,7 +216,7 @@ class LocalGroup:
 
     def model_state(self) -> dict:
         """Replica 0's model state (parameters, and node state when replicated)."""
-        return self.trainers[0].model.state_dict()
+        return self.trainers[0].model_state()
 
     def cache_stats(self) -> dict | None:
         """Replica 0's edge-feature cache figures (None without edge features)."""

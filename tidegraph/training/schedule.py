@@ -11,6 +11,12 @@ way, and a checkpoint needs only the cursor (`Cursor`) to resume at a step bound
   ones), cut into W contiguous slices by `slice_bounds` (sizes differ by at most one event).
 Randomness (negatives, replay choice) is drawn per step by the orchestrator from named seed
 streams, never per slice, so it does not depend on W.
+
+`Schedule(...).units` lists the whole run as units of work in order; `Cursor.unit` is the index
+of the next one. A unit is an ingest, a training step (one global batch), an evaluation batch,
+or a pass boundary (reset or restore node state, draw an epoch's replay, close a pass, close
+phase 1 or an increment). Every state change of a run happens at a unit boundary, and a
+checkpoint is the pieces' states at one.
 """
 
 from __future__ import annotations
@@ -19,7 +25,15 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-__all__ = ["Cursor", "batch_bounds", "increment_bounds", "phase1_bounds", "slice_bounds"]
+__all__ = [
+    "Cursor",
+    "Schedule",
+    "Unit",
+    "batch_bounds",
+    "increment_bounds",
+    "phase1_bounds",
+    "slice_bounds",
+]
 
 
 @dataclass
@@ -30,6 +44,7 @@ class Cursor:
     phase1_done: bool = False
     increment: int = 0
     step: int = 0
+    unit: int = 0  # index of the next unit of `Schedule.units`
 
     def state_dict(self) -> dict:
         return asdict(self)
@@ -37,6 +52,63 @@ class Cursor:
     def load_state_dict(self, state: dict) -> None:
         for key, value in state.items():
             setattr(self, key, value)
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One unit of work. `kind`: ingest, reset, snapshot, restore, replay, train, eval,
+    train_end, eval_end, retrain_begin, phase_end, increment_end."""
+
+    kind: str
+    increment: int = -1  # -1: phase 1
+    epoch: int = -1
+    lo: int = 0  # events [lo, hi): the batch, or what is ingested
+    hi: int = 0
+    step: int = -1  # global training step (train units)
+    part: int = -1  # batch index within its pass
+    parts: int = 0  # batches in its pass
+
+
+class Schedule:
+    """The run as a list of units, a pure function of the stream's times and the config."""
+
+    def __init__(self, t: torch.Tensor, continual, batch_size: int, epochs: int) -> None:
+        self.val_start, self.phase1_end = phase1_bounds(t.shape[0], continual)
+        self.increments = increment_bounds(t, self.phase1_end, continual)
+        self.batch_size = batch_size
+        self.units: list[Unit] = []
+        self._step = 0
+        self._phase1(epochs)
+        for k, (lo, hi) in enumerate(self.increments):
+            self._increment(k, lo, hi, continual.retrain_epochs)
+
+    def _pass(self, kind: str, lo: int, hi: int, increment: int, epoch: int) -> None:
+        batches = batch_bounds(lo, hi, self.batch_size)
+        for j, (a, b) in enumerate(batches):
+            step = -1
+            if kind == "train":
+                step, self._step = self._step, self._step + 1
+            self.units.append(Unit(kind, increment, epoch, a, b, step, j, len(batches)))
+        self.units.append(Unit(f"{kind}_end", increment, epoch, lo, hi))
+
+    def _phase1(self, epochs: int) -> None:
+        self.units.append(Unit("ingest", -1, -1, 0, self.phase1_end))
+        for e in range(epochs):
+            self.units.append(Unit("reset", -1, e))
+            self._pass("train", 0, self.val_start, -1, e)
+            self._pass("eval", self.val_start, self.phase1_end, -1, e)
+        self.units.append(Unit("phase_end", -1, -1, 0, self.phase1_end))
+
+    def _increment(self, k: int, lo: int, hi: int, retrain_epochs: int) -> None:
+        self.units.append(Unit("ingest", k, -1, lo, hi))
+        self.units.append(Unit("snapshot", k, -1, lo, hi))
+        self._pass("eval", lo, hi, k, -1)
+        self.units.append(Unit("retrain_begin", k, -1, lo, hi))
+        for e in range(retrain_epochs):
+            self.units.append(Unit("restore", k, e, lo, hi))
+            self.units.append(Unit("replay", k, e, lo, hi))
+            self._pass("train", lo, hi, k, e)
+        self.units.append(Unit("increment_end", k, -1, lo, hi))
 
 
 def phase1_bounds(num_events: int, c) -> tuple[int, int]:

@@ -257,6 +257,10 @@ class TrainerCore:
         ptrs = {t.data_ptr() for t in self.model.state_tables().values()}
         return {k for k, v in self.model.state_dict().items() if v.data_ptr() in ptrs}
 
+    def model_state(self) -> dict:
+        """The model's state without node-state scratch tables (sharded placement)."""
+        return self._model_state()
+
     def _model_state(self) -> dict:
         scratch = self._scratch_keys()
         return {k: v for k, v in self.model.state_dict().items() if k not in scratch}
