@@ -10,12 +10,15 @@ state. Per trainer and step: one request per shard per hop to sample, one per sh
 features, and with sharded node state one or two per shard for state rows.
 
 Ordering: calls from the driver to one actor run in order, so a trainer applies step s's
-updates before it trains step s + 1. Shards are called by trainers too, so whatever the driver
-sends shards (ingest, sharded state updates) is waited for before the next step starts.
+updates before it trains step s + 1, and the driver submits up to `pipeline_depth` steps ahead
+(their losses are read later) so that preparing the next step overlaps training this one.
+Shards are called by trainers too, so the driver waits for steps under way before it changes
+shards (ingest), and waits for sharded node-state updates before the next step starts.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 
@@ -36,6 +39,18 @@ __all__ = ["RayGroup", "PlacementTimeout"]
 log = logging.getLogger(__name__)
 
 
+class PendingLoss:
+    """The loss of a submitted step; `value()` waits for it."""
+
+    def __init__(self, refs: list) -> None:
+        self._refs, self._value = refs, None
+
+    def value(self) -> float:
+        if self._value is None:
+            self._value = float(sum(ray.get(self._refs)))
+        return self._value
+
+
 class PlacementTimeout(RuntimeError):
     """The cluster did not offer the resources a group needs within the wait."""
 
@@ -44,6 +59,7 @@ class RayGroup:
     """P shard actors and W trainer actors of one run (Ray must be initialized)."""
 
     placement_wait_s = 120.0  # tests set it lower
+    pipeline_depth = 4  # training steps submitted ahead of the oldest unfinished one
 
     def __init__(
         self, config, num_nodes: int, edge_dim: int, expected_nodes: int | None = None
@@ -61,6 +77,7 @@ class RayGroup:
         self.memory_placement = choose_memory_placement(c, expected, row_bytes)
         self.sharded = self.memory_placement == "sharded" and row_bytes > 0
         self.num_rows = 0
+        self._inflight: collections.deque[PendingLoss] = collections.deque()
         cuda = config.device.startswith("cuda")
         self.shard_pg = placement_group([{"CPU": c.shard_cpus}] * c.shards, strategy="SPREAD")
         trainer_bundle = {"CPU": c.trainer_cpus, **({"GPU": 1} if cuda else {})}
@@ -142,6 +159,7 @@ class RayGroup:
     def ingest(self, events: EventBatch, num_nodes: int) -> None:
         from tidegraph.training.shard import encode_features, route_events
 
+        self.drain()  # steps under way read the shards: they finish before shards change
         self.partitioner.assign(events.src, events.dst)
         own_src = self.partitioner.owner(events.src)
         own_dst = self.partitioner.owner(events.dst)
@@ -169,7 +187,13 @@ class RayGroup:
             losses.append(loss)
             updates.append(upd)
         self._apply_state(updates)
-        return sum(ray.get(losses))
+        pending = PendingLoss(losses)
+        if self.sharded:  # shards were waited for: the step is done
+            pending.value()
+        self._inflight.append(pending)
+        while len(self._inflight) > self.pipeline_depth:  # bounded lookahead
+            self._inflight.popleft().value()
+        return pending
 
     def eval_step(
         self, ev: EventBatch, neg_BQ: torch.Tensor, observe: bool
@@ -187,6 +211,11 @@ class RayGroup:
         pos = ray.get([o[0] for o in outs])
         neg = ray.get([o[1] for o in outs])
         return torch.cat(pos), torch.cat(neg)
+
+    def drain(self) -> None:
+        """Wait for every training step submitted so far."""
+        while self._inflight:
+            self._inflight.popleft().value()
 
     def _apply_state(self, updates: list) -> None:
         """Every slice's node-state updates to every trainer (in order after its step), or to
@@ -231,6 +260,7 @@ class RayGroup:
         return ray.get(self.trainers[0].cache_stats.remote())
 
     def sampler_states(self) -> list:
+        self.drain()
         return ray.get([s.sampler_state.remote() for s in self.shards])
 
     def load_sampler_states(self, states: list) -> None:
@@ -259,6 +289,7 @@ class RayGroup:
     # ---- state --------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
+        self.drain()
         return {
             "memory_placement": self.memory_placement,
             "partitioner": self.partitioner.state_dict(),

@@ -192,7 +192,7 @@ class ContinualLearner:
 
     def _unit_train(self, u: Unit, ps: dict) -> None:
         if u.part == 0:
-            ps.update(loss_total=0.0, loss_events=0, t_pass=time.perf_counter())
+            ps.update(losses=[], loss_events=0, t_pass=time.perf_counter())
         ev = self.events.select(slice(u.lo, u.hi))
         weight, n_new = None, len(ev)
         if u.increment >= 0:  # retraining: the batch plus its share of the epoch's replay
@@ -202,13 +202,16 @@ class ContinualLearner:
             )
             ev = EventBatch.cat([ev, rep])
         neg = self.negatives.sample(len(ev), self.train_negatives)
-        ps["loss_total"] += self.group.train_step(ev, weight, neg, n_new) * len(ev)
+        # a Ray group answers with a pending loss: its steps queue up at the trainers while
+        # the driver prepares the next ones; losses are read at the end of the pass
+        ps["losses"].append((self.group.train_step(ev, weight, neg, n_new), len(ev)))
         ps["loss_events"] += len(ev)
         self.cursor.step += 1
         self._bar(u, ps, len(ev))
 
     def _unit_train_end(self, u: Unit, ps: dict) -> None:
-        ps["loss"] = ps["loss_total"] / max(ps["loss_events"], 1)
+        total = sum(_value(loss) * n for loss, n in ps.pop("losses"))
+        ps["loss"] = total / max(ps["loss_events"], 1)
         ps["train_rate"] = self._close_bar(ps, ps["loss_events"])
 
     def _unit_eval(self, u: Unit, ps: dict) -> None:
@@ -343,7 +346,7 @@ class ContinualLearner:
             "history": [dict(r) for r in self.history],
             "slot_precision": self.slot_precision,
             # the pass under way (not its progress bar; wall-clock stamps restart on load)
-            "pass": {k: v for k, v in self.pass_state.items() if k != "bar"},
+            "pass": {k: _resolved(v) for k, v in self.pass_state.items() if k != "bar"},
         }
 
     def load_orchestrator_state(self, state: dict) -> None:
@@ -452,6 +455,18 @@ class ContinualLearner:
             path.parent.mkdir(parents=True, exist_ok=True)
             with path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
+
+
+def _value(loss) -> float:
+    """A loss, waiting for it when a group returned it pending."""
+    return loss.value() if hasattr(loss, "value") else loss
+
+
+def _resolved(x):
+    """A pass-state value with pending losses read (for a checkpoint)."""
+    if isinstance(x, list) and x and isinstance(x[0], tuple) and hasattr(x[0][0], "value"):
+        return [(_value(loss), n) for loss, n in x]
+    return x
 
 
 def _backend(name: str):
