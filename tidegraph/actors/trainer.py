@@ -60,6 +60,9 @@ class _Trainer:
         """Any other `TrainerCore` method (state, node state, optimizer, cache)."""
         return getattr(self.core, method)(*args)
 
+    def grad_values(self) -> int:
+        return self.core.optimizer.flat.numel()
+
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 

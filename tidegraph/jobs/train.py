@@ -48,6 +48,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--storage", help="where run directories live: a path or s3://, gs:// URI")
     p.add_argument("--resume", action="store_true", help="continue the run named --run-name")
     p.add_argument("--checkpoint-every", type=int, help="increments between checkpoints")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=0,
+        help="Prometheus metrics on 127.0.0.1:PORT (0: a free port; -1: none)",
+    )
     p.add_argument("--seed", type=int)
     p.add_argument("--device", help="cpu or cuda")
     p.add_argument("--threads", type=int, help="torch CPU threads (1 is fastest on a busy box)")
@@ -139,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
 
         started = connect(config)
     try:
-        return _run(config, run_dir, resume)
+        return _run(config, run_dir, resume, args.metrics_port)
     finally:
         if started:
             import ray
@@ -183,13 +189,23 @@ def _diff(a: dict, b: dict, skip: tuple[str, ...], prefix: str = "") -> list[str
     return out
 
 
-def _run(config: RunConfig, run_dir, resume: bool) -> int:
+def _run(config: RunConfig, run_dir, resume: bool, metrics_port: int = -1) -> int:
     from tidegraph.orchestrator import Orchestrator, RunState
 
-    orchestrator = Orchestrator(config, on_record=_print_record, run_dir=run_dir, resume=resume)
+    metrics = None
+    if metrics_port >= 0:
+        from tidegraph.orchestrator.metrics import RunMetrics
+
+        metrics = RunMetrics(metrics_port)
+        print(f"metrics: http://127.0.0.1:{metrics.port}/metrics", flush=True)
+    orchestrator = Orchestrator(
+        config, on_record=_print_record, run_dir=run_dir, resume=resume, metrics=metrics
+    )
     while orchestrator.step() not in (RunState.FINISHED, RunState.ERRORED):
         pass
     orchestrator.close()
+    if metrics is not None:
+        metrics.close()
     err = orchestrator.error
     if err is not None:
         if isinstance(err, ValueError) or type(err).__name__ == "PlacementTimeout":

@@ -49,8 +49,10 @@ class Orchestrator:
         on_record: Callable[[dict], None] | None = None,
         run_dir=None,
         resume: bool = False,
+        metrics=None,
     ) -> None:
         self.config = config
+        self.metrics = metrics  # a RunMetrics, updated after every record
         self.run_dir = run_dir
         self.resume = resume
         self.stream = stream
@@ -102,17 +104,23 @@ class Orchestrator:
             return RunState.RUNNING
         learner = self.learner
         if not learner.phase1_done:
-            self.on_record(learner.run_phase1())
+            self._record(learner.run_phase1())
             self._checkpoint("phase1")
             return RunState.RUNNING
         if not learner.done:
-            self.on_record(learner.step())
+            self._record(learner.step())
             k = learner.cursor.increment
             if k % self.config.checkpoint_every == 0 or learner.done:
                 self._checkpoint(f"increment-{k:05d}")
             return RunState.RUNNING
         self.result = learner.summary()
         return RunState.FINISHED
+
+    def _record(self, record: dict) -> None:
+        if self.metrics is not None:
+            group = self.learner.group
+            self.metrics.observe(self.learner, record, group.take_seconds(), group.grad_values())
+        self.on_record(record)
 
     def _checkpoint(self, tag: str) -> None:
         if self.run_dir is None:

@@ -267,6 +267,9 @@ class RayGroup:
         ray.get([s.load_sampler_state.remote(x) for s, x in zip(self.shards, states,
                                                                 strict=True)])  # fmt: skip
 
+    def grad_values(self) -> int:
+        return ray.get(self.trainers[0].grad_values.remote())
+
     def take_seconds(self) -> list[dict]:
         return self._all("take_seconds")
 

@@ -210,6 +210,10 @@ class LocalGroup:
         for shard, state in zip(self.shards, states, strict=True):
             shard.load_sampler_state(state)
 
+    def grad_values(self) -> int:
+        """Values in the flat gradient each step all-reduces."""
+        return self.trainers[0].optimizer.flat.numel()
+
     def take_seconds(self) -> list[dict]:
         """Each trainer's seconds per step phase since the last call."""
         return [t.take_seconds() for t in self.trainers]

@@ -1,0 +1,78 @@
+"""Prometheus metrics of a run, served by the driver on 127.0.0.1 (prometheus-client).
+
+Names (all prefixed `tidegraph_`):
+- `events_ingested_total`: events made durable and routed to shards;
+- `train_events_per_second`, `eval_events_per_second`: rates of the latest increment;
+- `step_seconds_total{phase}`: trainer time per step phase (sample, fetch, compute, allreduce,
+  optimizer, apply), averaged over trainers;
+- `allreduce_bytes_total`: gradient bytes each trainer sent (ring all-reduce: 2 (W-1)/W of the
+  flat gradient per step);
+- `feature_cache_hit_rate`: trainer 0's edge-feature cache;
+- `increment_ap`, `increment_mrr`: metrics of the latest increment; `increments_total`;
+- `trainers_alive`, `shards_alive`.
+Each run has its own registry, so several runs in one process do not collide.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+
+__all__ = ["RunMetrics"]
+
+log = logging.getLogger(__name__)
+
+PHASES = ("sample", "fetch", "compute", "allreduce", "optimizer", "apply")
+
+
+class RunMetrics:
+    """Metrics of one run; `port` 0 picks a free port (`self.port` says which)."""
+
+    def __init__(self, port: int = 0, host: str = "127.0.0.1") -> None:
+        self.registry = r = CollectorRegistry()
+        self.ingested = Counter("tidegraph_events_ingested", "events ingested", registry=r)
+        self.train_rate = Gauge("tidegraph_train_events_per_second", "training rate", registry=r)
+        self.eval_rate = Gauge("tidegraph_eval_events_per_second", "evaluation rate", registry=r)
+        self.seconds = Counter("tidegraph_step_seconds", "trainer seconds per step phase",
+                               ["phase"], registry=r)  # fmt: skip
+        self.bytes = Counter("tidegraph_allreduce_bytes", "gradient bytes sent per trainer",
+                             registry=r)  # fmt: skip
+        self.hit_rate = Gauge("tidegraph_feature_cache_hit_rate", "edge-feature cache hit rate",
+                              registry=r)  # fmt: skip
+        self.ap = Gauge("tidegraph_increment_ap", "AP of the latest increment", registry=r)
+        self.mrr = Gauge("tidegraph_increment_mrr", "MRR of the latest increment", registry=r)
+        self.increments = Counter("tidegraph_increments", "increments done", registry=r)
+        self.trainers = Gauge("tidegraph_trainers_alive", "trainer actors alive", registry=r)
+        self.shards = Gauge("tidegraph_shards_alive", "graph shard actors alive", registry=r)
+        self._ingested = self._steps = 0
+        self.server, _ = start_http_server(port, addr=host, registry=r)
+        self.port = self.server.server_port
+        log.info("Prometheus metrics on http://%s:%d/metrics", host, self.port)
+
+    def observe(self, learner, record: dict, seconds: list[dict], grad_values: int) -> None:
+        """Update from a phase-1 or increment record and the trainers' step seconds."""
+        group = learner.group
+        self.trainers.set(group.num_trainers)
+        self.shards.set(group.num_shards)
+        self.ingested.inc(learner.ingested - self._ingested)
+        self._ingested = learner.ingested
+        w = max(len(seconds), 1)
+        for phase in PHASES:
+            self.seconds.labels(phase).inc(sum(s.get(phase, 0.0) for s in seconds) / w)
+        steps = learner.cursor.step - self._steps
+        self._steps = learner.cursor.step
+        ring = 2 * (group.num_trainers - 1) / group.num_trainers
+        self.bytes.inc(steps * grad_values * 4 * ring)
+        if "train_events_per_s" in record:
+            self.train_rate.set(record["train_events_per_s"])
+        if record.get("phase") == "increment":
+            self.increments.inc()
+            self.ap.set(record["ap"])
+            self.mrr.set(record["mrr"])
+            self.eval_rate.set(record["eval_events_per_s"])
+            if "edge_cache_hit_rate" in record:
+                self.hit_rate.set(record["edge_cache_hit_rate"])
+
+    def close(self) -> None:
+        self.server.shutdown()
