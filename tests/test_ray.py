@@ -38,6 +38,9 @@ def config(model="tgn", backend="ray", **cluster) -> RunConfig:
 def run(cfg: RunConfig, stream):
     set_determinism(7, threads=1)
     learner = ContinualLearner(cfg, stream)
+    if cfg.cluster.backend == "ray":  # one node: every shard is the trainers' own, or none
+        want = [0, 1] if cfg.cluster.local_sampling else []
+        assert ray.get([t.local_shards.remote() for t in learner.group.trainers]) == [want] * 2
     try:
         learner.run_phase1()
         while not learner.done:
@@ -52,12 +55,19 @@ def wiki():
     return load_stream("wikipedia", 1500)
 
 
-@pytest.mark.parametrize(("model", "memory"), [("tgn", "replicated"), ("apan", "sharded")])
-def test_ray_actors_give_bitwise_what_the_local_group_gives(ray_session, wiki, model, memory):
+@pytest.mark.parametrize(
+    ("model", "memory", "in_place"),
+    [("tgn", "replicated", True), ("tgn", "replicated", False), ("apan", "sharded", True)],
+)
+def test_ray_actors_give_bitwise_what_the_local_group_gives(
+    ray_session, wiki, model, memory, in_place
+):
     """Two trainers: gloo's all-reduce adds the two slice gradients once, as the local sum
-    does, so the runs agree to the bit (with more trainers, to the summation order)."""
+    does, so the runs agree to the bit (with more trainers, to the summation order). Trainers
+    sample same-node shards in place (zero-copy segments) or by request: the same blocks."""
     local = run(config(model, "local", shards=2, trainers=2, memory=memory), wiki)
-    remote = run(config(model, "ray", shards=2, trainers=2, memory=memory), wiki)
+    cfg = config(model, "ray", shards=2, trainers=2, memory=memory, local_sampling=in_place)
+    remote = run(cfg, wiki)
     assert local[0].keys() == remote[0].keys()
     for key, x in local[0].items():  # parameters, and node state where replicas hold it
         assert torch.equal(x, remote[0][key]), key

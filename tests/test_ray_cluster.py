@@ -42,7 +42,10 @@ def run(backend: str, memory: str, stream):
     set_determinism(7, threads=1)
     learner = ContinualLearner(RunConfig.from_dict(raw), stream)
     try:
-        placement = learner.group.placement() if backend == "ray" else {}
+        placement = {}
+        if backend == "ray":
+            local = ray.get([t.local_shards.remote() for t in learner.group.trainers])
+            placement = (learner.group.placement(), local)
         learner.run_phase1()
         while not learner.done:
             learner.step()
@@ -56,8 +59,12 @@ def test_shards_spread_over_nodes_and_results_equal_the_local_group(three_nodes,
     stream = load_stream("wikipedia", 1500)
     local = run("local", memory, stream)
     remote = run("ray", memory, stream)
-    placement = remote[2]
+    placement, local_shards = remote[2]
     shard_nodes = {placement[f"tidegraph-shard-{p}"] for p in range(3)}
+    for w, mine in enumerate(local_shards):  # in place exactly the shards on its own node
+        node = placement[f"tidegraph-trainer-{w}"]
+        assert mine == [p for p in range(3) if placement[f"tidegraph-shard-{p}"] == node]
+    assert any(len(m) < 3 for m in local_shards)  # and the others by request
     assert len(shard_nodes) == 3  # one shard per node: every hop crosses nodes
     assert len(set(placement.values())) >= 2
     for key, x in local[0].items():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ray
 
+from tidegraph.actors.segments import SegmentPublisher
 from tidegraph.runtime import set_determinism
 from tidegraph.training.shard import ShardCore
 
@@ -16,6 +17,11 @@ class _Shard(ShardCore):
     def __init__(self, runtime: dict, *args, **kwargs) -> None:
         set_determinism(**runtime)
         super().__init__(*args, **kwargs)
+        self._publisher = SegmentPublisher()
+
+    def segment_refs(self) -> list:
+        """Object-store refs of this shard's segments (published once each, zero-copy)."""
+        return self._publisher.refs(self.graph.segments)
 
     def ping(self) -> int:
         return self.part

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import ray
 
+from tidegraph.actors.segments import SegmentView
 from tidegraph.actors.shard import RemoteShard
 from tidegraph.comm.collective import Collective
+from tidegraph.rng import seed_for
 from tidegraph.runtime import set_determinism
 from tidegraph.storage.partition import build_partitioner
 from tidegraph.training.config import RunConfig
@@ -25,9 +27,17 @@ class _Trainer:
         self.rank, self.world = rank, world
         self.partitioner = build_partitioner(c.partitioner, c.shards)
         proxies = [RemoteShard(h) for h in shards]
+        # shards on this node are sampled here, over their segments in the object store
+        here = ray.get_runtime_context().get_node_id()
+        nodes = ray.get([h.node_id.remote() for h in shards])
+        self.views = {
+            p: SegmentView(self.config.sampler.strategy, seed_for(self.config.seed, "sampler", p))
+            for p, node in enumerate(nodes) if node == here and c.local_sampling
+        }  # fmt: skip
+        hop_samplers = [self.views.get(p, proxy) for p, proxy in enumerate(proxies)]
         self.core = build_trainer(
             self.config, rank, proxies, self.partitioner.owner, num_nodes, edge_dim, sharded,
-            gather=ray.get,
+            gather=_gather, hop_samplers=hop_samplers,
         )  # fmt: skip
         self.collective = None
 
@@ -37,9 +47,14 @@ class _Trainer:
         self.collective = Collective(address, generation, self.rank, self.world, timeout)
         return self.rank
 
-    def ingested(self, num_nodes: int, num_rows: int, partition: dict | None) -> None:
-        """After shards ingested a batch: grow node tables, know the new feature rows and,
-        for a stateful partitioner, the new node placements."""
+    def ingested(
+        self, num_nodes: int, num_rows: int, partition: dict | None, segments: list | None = None
+    ) -> None:
+        """After shards ingested a batch: grow node tables, know the new feature rows, for a
+        stateful partitioner the new node placements, and same-node shards' segments."""
+        for p, view in self.views.items():
+            if segments is not None:
+                view.update(segments[p])
         if partition is not None:
             self.partitioner.load_state_dict(partition)
         if self.core.edge_cache is not None:
@@ -60,6 +75,10 @@ class _Trainer:
         """Any other `TrainerCore` method (state, node state, optimizer, cache)."""
         return getattr(self.core, method)(*args)
 
+    def local_shards(self) -> list[int]:
+        """Shards this trainer samples in place (same node)."""
+        return sorted(self.views)
+
     def grad_values(self) -> int:
         return self.core.optimizer.flat.numel()
 
@@ -72,6 +91,13 @@ class _Trainer:
 
     def model_state(self) -> dict:
         return self.core.model_state()
+
+
+def _gather(answers: list) -> list:
+    """Wait for the object refs among `answers` at once; local answers pass through."""
+    refs = [a for a in answers if isinstance(a, ray.ObjectRef)]
+    got = iter(ray.get(refs)) if refs else iter(())
+    return [next(got) if isinstance(a, ray.ObjectRef) else a for a in answers]
 
 
 TrainerActor = ray.remote(_Trainer)

@@ -168,8 +168,15 @@ class RayGroup:
         ray.get([s.ingest.remote(piece) for s, piece in zip(self.shards, pieces, strict=True)])
         if len(events):
             self.num_rows = max(self.num_rows, int(events.eid.max()) + 1)
+        self._refresh(num_nodes)
+
+    def _refresh(self, num_nodes: int) -> None:
+        """Tell trainers what shards now hold: node count, feature rows, placements, and the
+        segments same-node trainers sample in place."""
         part = None if self.partitioner.kind == "hash" else self.partitioner.state_dict()
-        ray.get([t.ingested.remote(num_nodes, self.num_rows, part) for t in self.trainers])
+        segments = ray.get([s.segment_refs.remote() for s in self.shards])
+        ray.get([t.ingested.remote(num_nodes, self.num_rows, part, segments)
+                 for t in self.trainers])  # fmt: skip
 
     # ---- steps ------------------------------------------------------------------------------
 
@@ -310,9 +317,7 @@ class RayGroup:
         ray.get([t.call.remote("load_state_dict", x) for t, x in zip(self.trainers,
                                                                      state["trainers"],
                                                                      strict=True)])  # fmt: skip
-        part = None if self.partitioner.kind == "hash" else self.partitioner.state_dict()
-        if part is not None:
-            ray.get([t.ingested.remote(0, self.num_rows, part) for t in self.trainers])
+        self._refresh(0)
 
     def shutdown(self) -> None:
         """Kill this group's actors and release its placement groups."""

@@ -174,6 +174,9 @@ class ClusterConfig:
     trainer_cpus: float = 1.0
     shard_cpus: float = 0.5
     collective_timeout_s: float = 120.0
+    # trainers sample shards on their own node in place, over the shards' segments in Ray's
+    # object store (zero-copy); shards on other nodes answer requests
+    local_sampling: bool = True
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:

@@ -400,13 +400,16 @@ class ContinualLearner:
             yield self.events.select(slice(lo, hi))
 
     def train_pass(self, start: int, end: int, desc: str) -> tuple[float, float]:
+        """Train on events [start, end) outside the schedule (offline runs, benchmarks);
+        returns (events/s, mean loss)."""
         bar = Progress(end - start, desc, self.config.progress)
-        total = 0.0
+        losses = []
         for ev in self._batches(start, end):
             neg = self.negatives.sample(len(ev), self.train_negatives)
-            total += self.group.train_step(ev, None, neg, len(ev)) * len(ev)
+            losses.append((self.group.train_step(ev, None, neg, len(ev)), len(ev)))
             self.cursor.step += 1
             bar.update(len(ev))
+        total = sum(_value(loss) * n for loss, n in losses)  # waits for pending steps
         return bar.close(), total / max(end - start, 1)
 
     def eval_pass(self, start: int, end: int, desc: str, observe: bool) -> dict:

@@ -283,13 +283,16 @@ def build_trainer(
     edge_dim: int,
     sharded: bool,
     gather=None,
+    hop_samplers: list | None = None,
 ) -> TrainerCore:
     """Trainer `rank` wired to `shards` (cores, or proxies of remote ones whose answers
-    `gather` waits for): sampler, edge-feature store and, when sharded, node-state source."""
+    `gather` waits for): sampler (over `hop_samplers`, default the shards themselves),
+    edge-feature store and, when sharded, node-state source."""
     s = config.sampler
     snaps = s.num_snapshots
     window = s.snapshot_window if snaps > 1 else 0.0
-    sampler = MultiHopSampler(shards, owner, s.fanouts, snaps, window, s.dedup, gather)
+    hops = shards if hop_samplers is None else hop_samplers
+    sampler = MultiHopSampler(hops, owner, s.fanouts, snaps, window, s.dedup, gather)
     features = None
     if edge_dim:
         precision = config.data.feature_precision

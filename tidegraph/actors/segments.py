@@ -1,0 +1,85 @@
+"""Same-node sampling over a shard's immutable segments, shared through Ray's object store.
+
+A graph shard's segments never change once built, so a shard actor publishes each as numpy
+arrays in the object store (`publish`), and a trainer on the same node maps them without a copy
+(`SegmentView`) and samples its roots there: no request, no serialization per hop. Compaction
+replaces segments by merged ones, which are published in their turn; a view drops the ones its
+shard no longer lists. Trainers on other nodes keep asking the shard (`RemoteShard`), so no
+node holds a copy of another node's partition. For `recent` sampling both paths return the same
+blocks; `uniform` draws then come from each trainer's copy of the shard's sampler stream.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import ray
+import torch
+
+from tidegraph.sampling.sampler import TemporalSampler
+from tidegraph.storage.segment import Segment
+
+__all__ = ["SegmentPublisher", "SegmentView"]
+
+_ARRAYS = ("nodes", "offsets", "nbr", "t", "eid")
+
+
+class SegmentPublisher:
+    """The shard side: one object-store entry per live segment, reused while it lives."""
+
+    def __init__(self) -> None:
+        self._live: dict[int, tuple[Segment, ray.ObjectRef]] = {}
+
+    def refs(self, segments: list[Segment]) -> list[ray.ObjectRef]:
+        """Refs of `segments` (oldest first), publishing the new ones."""
+        live = {}
+        for seg in segments:
+            key = id(seg)
+            entry = self._live.get(key)
+            if entry is None or entry[0] is not seg:
+                arrays = {k: getattr(seg, k).cpu().numpy() for k in _ARRAYS}
+                meta = (seg.max_degree, seg.t_min, seg.t_max)
+                entry = (seg, ray.put((arrays, meta)))
+            live[key] = entry
+        self._live = live  # segments merged away are released here
+        return [self._live[id(seg)][1] for seg in segments]
+
+
+class _GraphView:
+    """What `TemporalSampler.sample_hop` reads of a graph: its segments and device."""
+
+    def __init__(self) -> None:
+        self.segments: list[Segment] = []
+        self.device = torch.device("cpu")
+
+
+class SegmentView:
+    """A trainer's zero-copy view of a same-node shard, answering `sample_hop` locally."""
+
+    def __init__(self, strategy: str, seed: int | None) -> None:
+        self.graph = _GraphView()
+        self.sampler = TemporalSampler(self.graph, (1,), strategy, seed=seed)
+        self._cache: dict[bytes, Segment] = {}
+
+    def update(self, refs: list[ray.ObjectRef]) -> None:
+        keys = [r.binary() for r in refs]
+        new = [r for r, k in zip(refs, keys, strict=True) if k not in self._cache]
+        for ref, (arrays, meta) in zip(new, ray.get(new), strict=True):
+            self._cache[ref.binary()] = _segment(arrays, meta)
+        self._cache = {k: self._cache[k] for k in keys}
+        self.graph.segments = [self._cache[k] for k in keys]
+
+    def sample_hop(self, roots, t_hi, k, t_lo=None):
+        return self.sampler.sample_hop(roots, t_hi, k, t_lo)
+
+    def state_dict(self) -> dict:
+        return self.sampler.state_dict()
+
+
+def _segment(arrays: dict[str, np.ndarray], meta: tuple) -> Segment:
+    with warnings.catch_warnings():  # object-store arrays are read-only; segments never write
+        warnings.simplefilter("ignore", UserWarning)
+        tensors = {k: torch.from_numpy(arrays[k]) for k in _ARRAYS}
+    max_degree, t_min, t_max = meta
+    return Segment(**tensors, max_degree=max_degree, t_min=t_min, t_max=t_max)
