@@ -61,11 +61,17 @@ class _Trainer:
             self.core.edge_cache.store.set_num_rows(num_rows)
         self.core.grow(num_nodes)
 
-    def train_and_step(self, ev, weight, neg, num_observe: int, global_size: int):
+    def train_and_step(self, ev, weight, neg, num_observe: int, global_size: int, *before):
+        """`before`: the previous step's node-state updates of every slice, applied first
+        (one task per step instead of two)."""
+        if before:
+            self.core.apply_updates(list(before))
         return self.core.train_and_step(ev, weight, neg, num_observe, global_size,
                                         self.collective)  # fmt: skip
 
-    def eval_slice(self, ev, neg, observe: bool):
+    def eval_slice(self, ev, neg, observe: bool, *before):
+        if before:
+            self.core.apply_updates(list(before))
         return self.core.eval_slice(ev, neg, observe)
 
     def apply_updates(self, *updates) -> None:

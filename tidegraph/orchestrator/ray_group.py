@@ -78,6 +78,7 @@ class RayGroup:
         self.sharded = self.memory_placement == "sharded" and row_bytes > 0
         self.num_rows = 0
         self._inflight: collections.deque[PendingLoss] = collections.deque()
+        self._pending: list = []  # node-state updates of the last step, not yet sent
         cuda = config.device.startswith("cuda")
         self.shard_pg = placement_group([{"CPU": c.shard_cpus}] * c.shards, strategy="SPREAD")
         trainer_bundle = {"CPU": c.trainer_cpus, **({"GPU": 1} if cuda else {})}
@@ -184,12 +185,13 @@ class RayGroup:
         self, ev: EventBatch, weight: torch.Tensor | None, neg_BQ: torch.Tensor, num_observe: int
     ) -> float:
         losses, updates = [], []
+        before = self._take_pending()
         for trainer, (lo, hi) in zip(self.trainers, slice_bounds(len(ev), self.num_trainers),
                                      strict=True):  # fmt: skip
             w = None if weight is None else weight[lo:hi]
             n_obs = max(0, min(hi, num_observe) - lo)
             loss, upd = trainer.train_and_step.options(num_returns=2).remote(
-                ev.select(slice(lo, hi)), w, neg_BQ[lo:hi], n_obs, len(ev)
+                ev.select(slice(lo, hi)), w, neg_BQ[lo:hi], n_obs, len(ev), *before
             )
             losses.append(loss)
             updates.append(upd)
@@ -206,12 +208,17 @@ class RayGroup:
         self, ev: EventBatch, neg_BQ: torch.Tensor, observe: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
         outs = []
+        before = self._take_pending()
+        if before and any(hi == lo for lo, hi in slice_bounds(len(ev), self.num_trainers)):
+            self._pending = before  # a trainer without a slice gets them on their own
+            self._flush()
+            before = []
         for trainer, (lo, hi) in zip(self.trainers, slice_bounds(len(ev), self.num_trainers),
                                      strict=True):  # fmt: skip
             if hi == lo:
                 continue
             outs.append(trainer.eval_slice.options(num_returns=3).remote(
-                ev.select(slice(lo, hi)), neg_BQ[lo:hi], observe
+                ev.select(slice(lo, hi)), neg_BQ[lo:hi], observe, *before
             ))  # fmt: skip
         if observe:
             self._apply_state([o[2] for o in outs])
@@ -225,17 +232,30 @@ class RayGroup:
             self._inflight.popleft().value()
 
     def _apply_state(self, updates: list) -> None:
-        """Every slice's node-state updates to every trainer (in order after its step), or to
-        every shard (waited for: trainers read shards next)."""
+        """Every slice's node-state updates: to every trainer with its next call (pending
+        until then, in order before anything the trainer does next), or to every shard
+        (waited for: trainers read shards next)."""
         if self.sharded:
             ray.get([s.apply_state_of.remote(*updates) for s in self.shards])
             return
-        for trainer in self.trainers:
-            trainer.apply_updates.remote(*updates)
+        self._flush()
+        self._pending = list(updates)
+
+    def _take_pending(self) -> list:
+        pending, self._pending = self._pending, []
+        return pending
+
+    def _flush(self) -> None:
+        """Send pending node-state updates on their own (before a call that carries none)."""
+        pending = self._take_pending()
+        if pending:
+            for trainer in self.trainers:
+                trainer.apply_updates.remote(*pending)
 
     # ---- node state, rounds, reports ----------------------------------------------------------
 
     def _all(self, method: str, *args) -> list:
+        self._flush()
         return ray.get([t.call.remote(method, *args) for t in self.trainers])
 
     def reset_state(self) -> None:
@@ -244,6 +264,7 @@ class RayGroup:
             ray.get([s.reset_state.remote() for s in self.shards])
 
     def node_state(self) -> dict:
+        self._flush()
         if self.sharded:
             return {"shards": ray.get([s.node_state_dict.remote() for s in self.shards])}
         return ray.get(self.trainers[0].call.remote("node_state"))
@@ -264,6 +285,7 @@ class RayGroup:
         self._all("restore_cache", eids)
 
     def cache_stats(self) -> dict | None:
+        self._flush()
         return ray.get(self.trainers[0].cache_stats.remote())
 
     def sampler_states(self) -> list:
@@ -281,6 +303,7 @@ class RayGroup:
         return self._all("take_seconds")
 
     def model_state(self) -> dict:
+        self._flush()
         return ray.get(self.trainers[0].model_state.remote())
 
     def report(self, src: torch.Tensor, dst: torch.Tensor) -> dict:
