@@ -64,9 +64,12 @@ def test_ray_actors_give_bitwise_what_the_local_group_gives(
 ):
     """Two trainers: gloo's all-reduce adds the two slice gradients once, as the local sum
     does, so the runs agree to the bit (with more trainers, to the summation order). Trainers
-    sample same-node shards in place (zero-copy segments) or by request: the same blocks."""
+    sample same-node shards in place (zero-copy segments) or by request: the same blocks; and
+    run a whole pass per task, exchanging node-state updates among themselves, or a task per
+    step (the second case)."""
     local = run(config(model, "local", shards=2, trainers=2, memory=memory), wiki)
-    cfg = config(model, "ray", shards=2, trainers=2, memory=memory, local_sampling=in_place)
+    cfg = config(model, "ray", shards=2, trainers=2, memory=memory, local_sampling=in_place,
+                 whole_passes=in_place)  # fmt: skip
     remote = run(cfg, wiki)
     assert local[0].keys() == remote[0].keys()
     for key, x in local[0].items():  # parameters, and node state where replicas hold it

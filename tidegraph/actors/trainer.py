@@ -69,6 +69,43 @@ class _Trainer:
         return self.core.train_and_step(ev, weight, neg, num_observe, global_size,
                                         self.collective)  # fmt: skip
 
+    def train_pass(self, slices: list, *before) -> list[float]:
+        """Every step of a training pass: per step this trainer's slice, the all-reduce, the
+        optimizer step, then the node-state updates of all slices, gathered from the group
+        in rank (= slice) order. Returns this trainer's slice losses."""
+        if before:
+            self.core.apply_updates(list(before))
+        losses = []
+        for ev, weight, neg, num_observe, global_size in slices:
+            loss, updates = self.core.train_and_step(
+                ev, weight, neg, num_observe, global_size, self.collective
+            )
+            self.core.apply_updates(self._gather(updates))
+            losses.append(loss)
+        return losses
+
+    def eval_pass(self, slices: list, observe: bool, *before) -> list:
+        """Every batch of an evaluation pass: (pos, neg) of this trainer's slices; with
+        `observe` the group's node-state updates after each batch, gathered in slice order."""
+        if before:
+            self.core.apply_updates(list(before))
+        out = []
+        for ev, neg in slices:
+            if len(ev):
+                pos, negl, updates = self.core.eval_slice(ev, neg, observe)
+            else:
+                pos, negl, updates = None, None, None
+            if observe:
+                self.core.apply_updates(self._gather(updates))
+            out.append((pos, negl))
+        return out
+
+    def _gather(self, updates) -> list:
+        """Every trainer's updates of this step, in rank order (a collective)."""
+        if self.world == 1:
+            return [updates]
+        return self.collective.all_gather_object(updates)
+
     def eval_slice(self, ev, neg, observe: bool, *before):
         if before:
             self.core.apply_updates(list(before))

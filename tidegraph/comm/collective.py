@@ -70,6 +70,14 @@ class Collective:
             dist.all_reduce(x, op=dist.ReduceOp.SUM, group=self.group)
         return x
 
+    def all_gather_object(self, obj) -> list:
+        """Every rank's `obj`, in rank order (pickled through the group)."""
+        if self.group is None:
+            return [obj]
+        out = [None] * self.world
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
     def close(self) -> None:
         if self.group is not None and dist.is_initialized():
             dist.destroy_process_group()

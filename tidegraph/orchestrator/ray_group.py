@@ -204,6 +204,44 @@ class RayGroup:
             self._inflight.popleft().value()
         return pending
 
+    @property
+    def runs_passes(self) -> bool:
+        """Whole passes per task: with replicated node state, trainers exchange each step's
+        updates among themselves (sharded state goes through the shards, step by step)."""
+        return self.config.cluster.whole_passes and not self.sharded
+
+    def train_pass(self, batches: list) -> list[float]:
+        """Every step of a training pass in one task per trainer; the steps' losses.
+        `batches`: (events, weights, negatives, new events) per step."""
+        self.drain()
+        before = self._take_pending()
+        per_trainer = [[] for _ in self.trainers]
+        for ev, weight, neg, n_new in batches:
+            for w, (lo, hi) in enumerate(slice_bounds(len(ev), self.num_trainers)):
+                wt = None if weight is None else weight[lo:hi]
+                n_obs = max(0, min(hi, n_new) - lo)
+                per_trainer[w].append((ev.select(slice(lo, hi)), wt, neg[lo:hi], n_obs, len(ev)))
+        refs = [t.train_pass.remote(s, *before) for t, s in zip(self.trainers, per_trainer,
+                                                                 strict=True)]  # fmt: skip
+        losses = ray.get(refs)
+        return [float(sum(step)) for step in zip(*losses, strict=True)]
+
+    def eval_pass(self, batches: list, observe: bool) -> list:
+        """Scores of every batch of an evaluation pass, one task per trainer."""
+        self.drain()
+        before = self._take_pending()
+        per_trainer = [[] for _ in self.trainers]
+        for ev, neg in batches:
+            for w, (lo, hi) in enumerate(slice_bounds(len(ev), self.num_trainers)):
+                per_trainer[w].append((ev.select(slice(lo, hi)), neg[lo:hi]))
+        outs = ray.get([t.eval_pass.remote(s, observe, *before) for t, s in zip(
+            self.trainers, per_trainer, strict=True)])  # fmt: skip
+        scores = []
+        for step in zip(*outs, strict=True):
+            parts = [(p, n) for p, n in step if p is not None]
+            scores.append((torch.cat([p for p, _ in parts]), torch.cat([n for _, n in parts])))
+        return scores
+
     def eval_step(
         self, ev: EventBatch, neg_BQ: torch.Tensor, observe: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:

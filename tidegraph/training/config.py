@@ -177,6 +177,9 @@ class ClusterConfig:
     # trainers sample shards on their own node in place, over the shards' segments in Ray's
     # object store (zero-copy); shards on other nodes answer requests
     local_sampling: bool = True
+    # trainers run a whole training or evaluation pass per task, exchanging each step's
+    # node-state updates among themselves (replicated node state); False: a task per step
+    whole_passes: bool = True
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:

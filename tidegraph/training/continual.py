@@ -159,9 +159,57 @@ class ContinualLearner:
         units = self.schedule.units
         while True:
             unit = units[self.cursor.unit]
+            if unit.kind in ("train", "eval") and unit.part == 0 and self._whole_passes():
+                self._run_pass(unit)
+                continue
             result = self.run_unit(unit)
             if unit.kind == kind:
                 return result
+
+    def _whole_passes(self) -> bool:
+        """Whether the group runs a whole pass per call (Ray trainers that exchange node-state
+        updates among themselves, so the driver sends a pass's batches once)."""
+        return getattr(self.group, "runs_passes", False)
+
+    def _run_pass(self, first: Unit) -> None:
+        """The units of one training or evaluation pass, as one call to the group: inputs
+        (events, replay, negatives) drawn in the order the units would draw them, results
+        recorded as they would record them."""
+        units = self.schedule.units
+        at = self.cursor.unit
+        todo = units[at : at + first.parts]
+        ps = self.pass_state
+        if first.kind == "train":
+            ps.update(losses=[], loss_events=0, t_pass=time.perf_counter())
+            batches = [self._train_inputs(u, ps) for u in todo]
+            losses = self.group.train_pass(batches)
+            for u, (ev, _, _, _), loss in zip(todo, batches, losses, strict=True):
+                ps["losses"].append((loss, len(ev)))
+                ps["loss_events"] += len(ev)
+                self.cursor.step += 1
+                self._bar(u, ps, len(ev))
+        else:
+            ps.update(pos=[], neg=[], t_pass=time.perf_counter())
+            batches = []
+            for u in todo:
+                ev = self.events.select(slice(u.lo, u.hi))
+                batches.append((ev, self.negatives.sample(len(ev), self.eval_negatives)))
+            for u, (p, n) in zip(todo, self.group.eval_pass(batches, True), strict=True):
+                ps["pos"].append(p)
+                ps["neg"].append(n)
+                self._bar(u, ps, u.hi - u.lo)
+        self.cursor.unit = at + first.parts
+
+    def _train_inputs(self, u: Unit, ps: dict):
+        """(events, weights, negatives, new events) of training unit `u`."""
+        ev = self.events.select(slice(u.lo, u.hi))
+        weight, n_new = None, len(ev)
+        if u.increment >= 0:  # retraining: the batch plus its share of the epoch's replay
+            part = ps["replay_parts"][u.part]
+            rep = self.events.select(ps["replay_pos"][part])
+            weight = torch.cat([torch.ones(len(ev)), ps["replay_weight"][part]])
+            ev = EventBatch.cat([ev, rep])
+        return ev, weight, self.negatives.sample(len(ev), self.train_negatives), n_new
 
     def run_unit(self, u: Unit) -> dict | None:
         """Execute unit `u` (the cursor's next one) and advance the cursor past it."""
@@ -193,15 +241,7 @@ class ContinualLearner:
     def _unit_train(self, u: Unit, ps: dict) -> None:
         if u.part == 0:
             ps.update(losses=[], loss_events=0, t_pass=time.perf_counter())
-        ev = self.events.select(slice(u.lo, u.hi))
-        weight, n_new = None, len(ev)
-        if u.increment >= 0:  # retraining: the batch plus its share of the epoch's replay
-            rep = self.events.select(ps["replay_pos"][ps["replay_parts"][u.part]])
-            weight = torch.cat(
-                [torch.ones(len(ev)), ps["replay_weight"][ps["replay_parts"][u.part]]]
-            )
-            ev = EventBatch.cat([ev, rep])
-        neg = self.negatives.sample(len(ev), self.train_negatives)
+        ev, weight, neg, n_new = self._train_inputs(u, ps)
         # a Ray group answers with a pending loss: its steps queue up at the trainers while
         # the driver prepares the next ones; losses are read at the end of the pass
         ps["losses"].append((self.group.train_step(ev, weight, neg, n_new), len(ev)))
