@@ -39,6 +39,19 @@ __all__ = ["RayGroup", "PlacementTimeout"]
 log = logging.getLogger(__name__)
 
 
+def _own(x):
+    """`x` with every tensor in it copied to its own storage: a view pickles its whole base
+    (a batch sliced from the stream would ship the stream with every task)."""
+    if torch.is_tensor(x):
+        return x.clone()
+    if isinstance(x, EventBatch):
+        return EventBatch(*(None if v is None else v.clone() for v in (
+            x.src, x.dst, x.t, x.eid, x.edge_feat, x.label)))  # fmt: skip
+    if isinstance(x, tuple | list):
+        return type(x)(_own(v) for v in x)
+    return x
+
+
 class PendingLoss:
     """The loss of a submitted step; `value()` waits for it."""
 
@@ -190,8 +203,9 @@ class RayGroup:
                                      strict=True):  # fmt: skip
             w = None if weight is None else weight[lo:hi]
             n_obs = max(0, min(hi, num_observe) - lo)
+            args = _own((ev.select(slice(lo, hi)), w, neg_BQ[lo:hi]))
             loss, upd = trainer.train_and_step.options(num_returns=2).remote(
-                ev.select(slice(lo, hi)), w, neg_BQ[lo:hi], n_obs, len(ev), *before
+                *args, n_obs, len(ev), *before
             )
             losses.append(loss)
             updates.append(upd)
@@ -220,7 +234,8 @@ class RayGroup:
             for w, (lo, hi) in enumerate(slice_bounds(len(ev), self.num_trainers)):
                 wt = None if weight is None else weight[lo:hi]
                 n_obs = max(0, min(hi, n_new) - lo)
-                per_trainer[w].append((ev.select(slice(lo, hi)), wt, neg[lo:hi], n_obs, len(ev)))
+                step = (ev.select(slice(lo, hi)), wt, neg[lo:hi], n_obs, len(ev))
+                per_trainer[w].append(_own(step))
         refs = [t.train_pass.remote(s, *before) for t, s in zip(self.trainers, per_trainer,
                                                                  strict=True)]  # fmt: skip
         losses = ray.get(refs)
@@ -233,7 +248,7 @@ class RayGroup:
         per_trainer = [[] for _ in self.trainers]
         for ev, neg in batches:
             for w, (lo, hi) in enumerate(slice_bounds(len(ev), self.num_trainers)):
-                per_trainer[w].append((ev.select(slice(lo, hi)), neg[lo:hi]))
+                per_trainer[w].append(_own((ev.select(slice(lo, hi)), neg[lo:hi])))
         outs = ray.get([t.eval_pass.remote(s, observe, *before) for t, s in zip(
             self.trainers, per_trainer, strict=True)])  # fmt: skip
         scores = []
@@ -255,8 +270,9 @@ class RayGroup:
                                      strict=True):  # fmt: skip
             if hi == lo:
                 continue
+            args = _own((ev.select(slice(lo, hi)), neg_BQ[lo:hi]))
             outs.append(trainer.eval_slice.options(num_returns=3).remote(
-                ev.select(slice(lo, hi)), neg_BQ[lo:hi], observe, *before
+                *args, observe, *before
             ))  # fmt: skip
         if observe:
             self._apply_state([o[2] for o in outs])

@@ -444,9 +444,14 @@ class ContinualLearner:
         returns (events/s, mean loss)."""
         bar = Progress(end - start, desc, self.config.progress)
         losses = []
-        for ev in self._batches(start, end):
-            neg = self.negatives.sample(len(ev), self.train_negatives)
-            losses.append((self.group.train_step(ev, None, neg, len(ev)), len(ev)))
+        batches = [(ev, None, self.negatives.sample(len(ev), self.train_negatives), len(ev))
+                   for ev in self._batches(start, end)]  # fmt: skip
+        if self._whole_passes():
+            results = self.group.train_pass(batches)
+        else:
+            results = [self.group.train_step(*b) for b in batches]
+        for (ev, *_), loss in zip(batches, results, strict=True):
+            losses.append((loss, len(ev)))
             self.cursor.step += 1
             bar.update(len(ev))
         total = sum(_value(loss) * n for loss, n in losses)  # waits for pending steps
