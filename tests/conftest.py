@@ -6,6 +6,7 @@ import os
 # would be reached at from other hosts, unless it is told it runs on one machine (read when
 # ray is imported, so before any test module imports it)
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # trainer collectives on loopback too
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

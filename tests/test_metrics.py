@@ -82,3 +82,30 @@ def test_prometheus_scrapes_the_run_metrics(finished_run, tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_closing_the_metrics_server_frees_its_port():
+    metrics = RunMetrics(0)
+    port = metrics.port
+    metrics.close()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))  # would raise EADDRINUSE if still listening
+    again = RunMetrics(port)
+    assert again.port == port
+    again.close()
+
+
+def test_store_host_listens_on_its_host_and_serves_the_group():
+    import datetime
+
+    import torch.distributed as dist
+
+    from tidegraph.comm.collective import StoreHost
+
+    host = StoreHost("127.0.0.1")
+    addr, port = host.address()
+    assert host._socket.getsockname() == ("127.0.0.1", port)
+    client = dist.TCPStore(addr, port, is_master=False,
+                           timeout=datetime.timedelta(seconds=10))  # fmt: skip
+    client.set("k", "v")
+    assert host.store.get("k") == b"v"

@@ -132,3 +132,29 @@ def test_job_runs_on_ray(ray_session, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "AP" in out and '"trainers": 2' in out
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3
+
+
+def test_uniform_sampling_is_refused_on_ray_until_its_draws_are_per_step(ray_session, wiki):
+    cfg = config(shards=2, trainers=2)
+    cfg.sampler.strategy = "uniform"
+    orchestrator = Orchestrator(cfg, wiki)
+    assert orchestrator.step() is RunState.ERRORED
+    assert "sampler.strategy: 'uniform' is not supported" in str(orchestrator.error)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_an_actor_failing_in_its_constructor_names_the_cause_and_frees_the_group(ray_session, wiki):
+    total = ray.cluster_resources()["CPU"]
+    cfg = config(shards=2, trainers=2)
+    cfg.graph_device = "cuda"  # shards build their graph there: absent on this machine
+    orchestrator = Orchestrator(cfg, wiki)
+    assert orchestrator.step() is RunState.ERRORED
+    assert isinstance(orchestrator.error, ValueError)
+    assert "needs CUDA, which is absent" in str(orchestrator.error)
+    for _ in range(100):  # placement groups and actors released (asynchronously)
+        if ray.available_resources().get("CPU") == total:
+            break
+        time.sleep(0.1)
+    assert ray.available_resources().get("CPU") == total
+    with pytest.raises(ValueError):
+        ray.get_actor("tidegraph-coordinator", namespace="tidegraph-test-run")

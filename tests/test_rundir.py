@@ -68,7 +68,7 @@ def test_a_fresh_run_never_overwrites_a_run_and_bad_storage_fails_first(tmp_path
     assert "already holds a run: pass --resume" in capsys.readouterr().err
     assert (tmp_path / "r" / "metrics.jsonl").read_text() == before
     assert _main(ARGS + ["--storage", str(tmp_path), "--run-name", "new", "--resume"]) == 2
-    assert "holds no checkpoint" in capsys.readouterr().err
+    assert "holds no run to resume" in capsys.readouterr().err
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
     assert _main(ARGS + ["--storage", str(blocker), "--run-name", "x"]) == 2

@@ -254,3 +254,20 @@ def test_unknown_node_has_no_state_row_and_placement_is_checked_on_load():
     state = ContinualLearner(small(memory="sharded"), stream).group.state_dict()
     with pytest.raises(ValueError, match="cluster.memory: sharded"):
         ContinualLearner(small(memory="replicated"), stream).group.load_state_dict(state)
+
+
+def test_bad_config_files_and_ports_are_clear_errors(tmp_path, capsys):
+    listed = tmp_path / "list.yaml"
+    listed.write_text("- a\n- b\n")
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("model: [unclosed\n")
+    cases = [
+        (["--config", str(tmp_path / "missing.yaml")], "missing.yaml"),
+        (["--config", str(listed)], "a mapping of sections expected"),
+        (["--config", str(broken)], "broken.yaml"),
+        (["--metrics-port", "70000"], "--metrics-port must be"),
+    ]
+    for args, message in cases:
+        assert main(args + ["--backend", "local"]) == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err

@@ -28,9 +28,12 @@ class StoreHost:
 
     def __init__(self, host: str | None = None, timeout_s: float = 60.0) -> None:
         self.host = host or _node_ip()
+        # listen on this host's address only (TCPStore alone would listen on every interface)
+        self._socket = socket.create_server((self.host, 0))
         self.store = dist.TCPStore(
-            self.host, 0, is_master=True, wait_for_workers=False,
+            self.host, self._socket.getsockname()[1], is_master=True, wait_for_workers=False,
             timeout=datetime.timedelta(seconds=timeout_s),
+            master_listen_fd=self._socket.fileno(),
         )  # fmt: skip
         log.info("trainer store on %s:%d", self.host, self.store.port)
 

@@ -74,7 +74,14 @@ def parse_config(argv: list[str] | None = None) -> RunConfig:
 def _config(args: argparse.Namespace) -> RunConfig:
     raw = {}
     if args.config:
-        raw = yaml.safe_load(Path(args.config).read_text()) or {}
+        try:
+            raw = yaml.safe_load(Path(args.config).read_text()) or {}
+        except (OSError, yaml.YAMLError) as e:
+            raise ValueError(f"--config {args.config}: {e}") from None
+        if not isinstance(raw, dict):
+            raise ValueError(f"--config {args.config}: a mapping of sections expected")
+    if not -1 <= args.metrics_port <= 65535:
+        raise ValueError(f"--metrics-port must be -1, 0 or a port number, got {args.metrics_port}")
     sections = {
         k: dict(raw.get(k) or {}) for k in ("model", "data", "train", "continual", "cluster")
     }
@@ -135,16 +142,20 @@ def main(argv: list[str] | None = None) -> int:
     print(f"run {config.run_name}: {run_dir.path}", flush=True)
     set_determinism(config.seed, 0, config.deterministic, config.threads)
     log.info("config: %s", json.dumps(config.to_dict()))
-    if config.mode == "offline":
-        result = run_offline(config)
-        print(json.dumps({"test": result["test"], "epoch_s": result["epoch_s"]}, indent=2))
-        return 0
     started = False
     if config.cluster.backend == "ray":
         from tidegraph.orchestrator.cluster import connect
 
         started = connect(config)
     try:
+        if config.mode == "offline":
+            try:
+                result = run_offline(config)
+            except ValueError as err:
+                print(f"error: {err}", file=sys.stderr)
+                return 2
+            print(json.dumps({"test": result["test"], "epoch_s": result["epoch_s"]}, indent=2))
+            return 0
         return _run(config, run_dir, resume, args.metrics_port)
     finally:
         if started:
@@ -196,16 +207,22 @@ def _run(config: RunConfig, run_dir, resume: bool, metrics_port: int = -1) -> in
     if metrics_port >= 0:
         from tidegraph.orchestrator.metrics import RunMetrics
 
-        metrics = RunMetrics(metrics_port)
+        try:
+            metrics = RunMetrics(metrics_port)
+        except OSError as err:
+            print(f"error: --metrics-port {metrics_port}: {err}", file=sys.stderr)
+            return 2
         print(f"metrics: http://127.0.0.1:{metrics.port}/metrics", flush=True)
     orchestrator = Orchestrator(
         config, on_record=_print_record, run_dir=run_dir, resume=resume, metrics=metrics
     )
-    while orchestrator.step() not in (RunState.FINISHED, RunState.ERRORED):
-        pass
-    orchestrator.close()
-    if metrics is not None:
-        metrics.close()
+    try:
+        while orchestrator.step() not in (RunState.FINISHED, RunState.ERRORED):
+            pass
+    finally:
+        orchestrator.close()
+        if metrics is not None:
+            metrics.close()
     err = orchestrator.error
     if err is not None:
         if isinstance(err, ValueError) or type(err).__name__ == "PlacementTimeout":

@@ -17,6 +17,7 @@ if not os.environ.get("RAY_ADDRESS"):
     # a local Ray on this machine only: keep 127.0.0.1 (on Linux Ray otherwise swaps it for
     # the address other hosts would reach it at); read when ray is first imported
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # trainers' collectives on loopback
 
 import ray  # noqa: E402
 

@@ -130,6 +130,9 @@ class Orchestrator:
         self.run_dir.save_checkpoint(state, tag)
 
     def _restore(self) -> None:
+        if self.run_dir.latest_name() is None:
+            log.info("no checkpoint yet: the run starts again from its beginning")
+            return
         state = self.run_dir.load_checkpoint()
         self.learner.load_state_dict(state["learner"])
         history = self.learner.history
@@ -138,6 +141,7 @@ class Orchestrator:
             from pathlib import Path
 
             path = Path(out) / "metrics.jsonl"
+            path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text("".join(json.dumps(r) + "\n" for r in history))
         log.info(
             "resumed after %d increments at log offset %d", self.learner.cursor.increment,

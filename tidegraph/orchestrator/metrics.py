@@ -76,3 +76,4 @@ class RunMetrics:
 
     def close(self) -> None:
         self.server.shutdown()
+        self.server.server_close()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import re
 import time
 
 import ray
@@ -37,6 +38,14 @@ from tidegraph.training.schedule import slice_bounds
 __all__ = ["RayGroup", "PlacementTimeout"]
 
 log = logging.getLogger(__name__)
+
+
+def _value_error(exc: Exception) -> str | None:
+    """The message of the ValueError at the root of an actor's failure, if one is (Ray keeps
+    only text: an actor that died waiting on a failed one carries that one's traceback)."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))
+    found = re.findall(r"^ValueError: (.+)$", text, re.MULTILINE)
+    return found[-1] if found else None
 
 
 def _own(x):
@@ -80,6 +89,12 @@ class RayGroup:
         if not ray.is_initialized():
             raise RuntimeError("RayGroup: call ray.init (tidegraph.orchestrator.cluster) first")
         c = config.cluster
+        if config.sampler.strategy != "recent":
+            raise ValueError(
+                "sampler.strategy: 'uniform' is not supported with cluster.backend 'ray' yet "
+                "(its draws would depend on which trainer asks first); use 'recent' or the "
+                "local backend"
+            )
         self.config = config
         self.num_shards, self.num_trainers = c.shards, c.trainers
         self.namespace = config.run_name or "tidegraph"
@@ -97,6 +112,20 @@ class RayGroup:
         trainer_bundle = {"CPU": c.trainer_cpus, **({"GPU": 1} if cuda else {})}
         self.trainer_pg = placement_group([trainer_bundle] * c.trainers, strategy="PACK")
         self._wait_placed(trainer_bundle)
+        try:
+            self._start(config, num_nodes, edge_dim, cuda, trainer_bundle)
+        except ray.exceptions.RayError as exc:  # an actor failed in its constructor
+            self.shutdown()
+            cause = _value_error(exc)
+            if cause is not None:  # bad configuration or data: the earliest error, named
+                raise ValueError(cause) from None
+            raise
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _start(self, config, num_nodes: int, edge_dim: int, cuda: bool, trainer_bundle) -> None:
+        c = config.cluster
         raw = config.to_dict()
         opts = dict(namespace=self.namespace, lifetime=None)
         self.coordinator = CoordinatorActor.options(name="tidegraph-coordinator", **opts).remote()
@@ -347,6 +376,8 @@ class RayGroup:
         return ray.get([s.sampler_state.remote() for s in self.shards])
 
     def load_sampler_states(self, states: list) -> None:
+        self.drain()
+        self._flush()
         ray.get([s.load_sampler_state.remote(x) for s, x in zip(self.shards, states,
                                                                 strict=True)])  # fmt: skip
 
@@ -386,6 +417,8 @@ class RayGroup:
         }
 
     def load_state_dict(self, state: dict) -> None:
+        self.drain()
+        self._flush()
         check_placement(state, self.memory_placement)
         self.partitioner.load_state_dict(state["partitioner"])
         load_generator_state(self.feature_gen, state["feature_gen"], "feature rounding")
@@ -397,10 +430,14 @@ class RayGroup:
         self._refresh(0)
 
     def shutdown(self) -> None:
-        """Kill this group's actors and release its placement groups."""
+        """Kill this group's actors and release its placement groups (idempotent)."""
         for actor in [*getattr(self, "trainers", []), *getattr(self, "shards", [])]:
             ray.kill(actor)
         if getattr(self, "coordinator", None) is not None:
             ray.kill(self.coordinator)
-        for pg in (self.shard_pg, self.trainer_pg):
-            remove_placement_group(pg)
+        for name in ("shard_pg", "trainer_pg"):
+            pg = getattr(self, name, None)
+            if pg is not None:
+                remove_placement_group(pg)
+                setattr(self, name, None)
+        self.trainers, self.shards, self.coordinator = [], [], None

@@ -37,8 +37,8 @@ class RunDir:
                 f"run directory {self.path} already holds a run: pass --resume to continue it, "
                 "or choose another --run-name"
             )
-        if resume and self.latest_name() is None:
-            raise ValueError(f"--resume: {self.path} holds no checkpoint to resume from")
+        if resume and not has_run:
+            raise ValueError(f"--resume: {self.path} holds no run to resume")
         self.local = isinstance(self.fs, pafs.LocalFileSystem)
 
     def _check_writable(self) -> None:

@@ -512,7 +512,7 @@ def _value(loss) -> float:
 
 def _resolved(x):
     """A pass-state value with pending losses read (for a checkpoint)."""
-    if isinstance(x, list) and x and isinstance(x[0], tuple) and hasattr(x[0][0], "value"):
+    if isinstance(x, list) and all(isinstance(e, tuple) and len(e) == 2 for e in x):
         return [(_value(loss), n) for loss, n in x]
     return x
 
