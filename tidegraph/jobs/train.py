@@ -21,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+import torch
 import yaml
 
 from tidegraph.runtime import set_determinism, tune_host_allocator
@@ -48,6 +49,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--storage", help="where run directories live: a path or s3://, gs:// URI")
     p.add_argument("--resume", action="store_true", help="continue the run named --run-name")
     p.add_argument("--checkpoint-every", type=int, help="increments between checkpoints")
+    p.add_argument(
+        "--follow",
+        help="a directory receiving event files: its first file is "
+        "phase 1, each later one an increment (live source)",
+    )
+    p.add_argument(
+        "--follow-timeout",
+        type=float,
+        default=60.0,
+        help="seconds to wait for a new file before finishing (--follow)",
+    )
     p.add_argument(
         "--metrics-port",
         type=int,
@@ -156,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
             print(json.dumps({"test": result["test"], "epoch_s": result["epoch_s"]}, indent=2))
             return 0
-        return _run(config, run_dir, resume, args.metrics_port)
+        return _run(config, run_dir, resume, args.metrics_port, args)
     finally:
         if started:
             import ray
@@ -187,6 +199,26 @@ def _open_run(config: RunConfig, resume: bool, out: str | None):
     return config, run_dir
 
 
+def _live_source(config: RunConfig, args):
+    """The followed directory, and phase 1: the first file that arrives in it."""
+    from tidegraph.storage.live import DirectorySource
+    from tidegraph.training.data import Stream
+
+    d = config.data
+    source = DirectorySource(args.follow, d.format, d.quarantine)
+    got = source.next_events(args.follow_timeout)
+    if got is None:
+        raise ValueError(f"--follow: no event file arrived in {args.follow} within "
+                         f"{args.follow_timeout:.0f} s")  # fmt: skip
+    name, events = got
+    if not len(events):
+        raise ValueError(f"--follow: {name}, the first file, holds no valid events")
+    events.eid = torch.arange(len(events))
+    num_nodes = int(torch.maximum(events.src.max(), events.dst.max())) + 1
+    edge_dim = 0 if events.edge_feat is None else int(events.edge_feat.shape[1])
+    return source, Stream(events=events, num_nodes=num_nodes, edge_dim=edge_dim, name=name)
+
+
 def _diff(a: dict, b: dict, skip: tuple[str, ...], prefix: str = "") -> list[str]:
     out = []
     for key in sorted(set(a) | set(b)):
@@ -200,8 +232,16 @@ def _diff(a: dict, b: dict, skip: tuple[str, ...], prefix: str = "") -> list[str
     return out
 
 
-def _run(config: RunConfig, run_dir, resume: bool, metrics_port: int = -1) -> int:
+def _run(config: RunConfig, run_dir, resume: bool, metrics_port: int = -1, args=None) -> int:
     from tidegraph.orchestrator import Orchestrator, RunState
+
+    source, stream = None, None
+    if args is not None and args.follow:
+        try:
+            source, stream = _live_source(config, args)
+        except ValueError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
 
     metrics = None
     if metrics_port >= 0:
@@ -213,9 +253,15 @@ def _run(config: RunConfig, run_dir, resume: bool, metrics_port: int = -1) -> in
             print(f"error: --metrics-port {metrics_port}: {err}", file=sys.stderr)
             return 2
         print(f"metrics: http://127.0.0.1:{metrics.port}/metrics", flush=True)
-    orchestrator = Orchestrator(
-        config, on_record=_print_record, run_dir=run_dir, resume=resume, metrics=metrics
-    )
+    try:
+        orchestrator = Orchestrator(
+            config, stream, on_record=_print_record, run_dir=run_dir, resume=resume,
+            metrics=metrics, source=source,
+            follow_timeout=args.follow_timeout if args is not None else 60.0,
+        )  # fmt: skip
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     try:
         while orchestrator.step() not in (RunState.FINISHED, RunState.ERRORED):
             pass

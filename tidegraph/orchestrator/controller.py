@@ -50,8 +50,17 @@ class Orchestrator:
         run_dir=None,
         resume: bool = False,
         metrics=None,
+        source=None,
+        follow_timeout: float = 60.0,
     ) -> None:
+        """`source`: a live source (`DirectorySource`); `stream` is then phase 1's events and
+        each file that arrives is one more increment, until none arrives in
+        `follow_timeout` seconds."""
         self.config = config
+        self.source = source
+        self.follow_timeout = follow_timeout
+        if source is not None and resume:
+            raise ValueError("--resume of a followed directory is not supported yet")
         self.metrics = metrics  # a RunMetrics, updated after every record
         self.run_dir = run_dir
         self.resume = resume
@@ -90,7 +99,10 @@ class Orchestrator:
     def _advance(self) -> RunState:
         if self.state is RunState.SCHEDULING:
             events = None if self.run_dir is None else self.run_dir.event_log()
-            self.learner = ContinualLearner(self.config, self.stream, self.group_factory, events)
+            live = self.source is not None
+            self.learner = ContinualLearner(
+                self.config, self.stream, self.group_factory, events, live=live
+            )
             if self.resume:
                 self._restore()
             elif self.run_dir is not None:
@@ -113,6 +125,15 @@ class Orchestrator:
             if k % self.config.checkpoint_every == 0 or learner.done:
                 self._checkpoint(f"increment-{k:05d}")
             return RunState.RUNNING
+        if self.source is not None:
+            got = self.source.next_events(self.follow_timeout)
+            if got is not None:
+                name, events = got
+                if len(events):
+                    learner.append(events)
+                log.info("live source: %s brought %d events", name, len(events))
+                return RunState.RUNNING
+            log.info("live source: no new file in %.0f s; finishing", self.follow_timeout)
         self.result = learner.summary()
         return RunState.FINISHED
 
@@ -126,7 +147,8 @@ class Orchestrator:
         if self.run_dir is None:
             return
         state = {"learner": self.learner.state_dict(), "log_offset": self.learner.ingested,
-                 "config": self.config.to_dict()}  # fmt: skip
+                 "config": self.config.to_dict(),
+                 "source": None if self.source is None else self.source.state_dict()}  # fmt: skip
         self.run_dir.save_checkpoint(state, tag)
 
     def _restore(self) -> None:

@@ -61,12 +61,18 @@ class ContinualLearner:
     """Phase 1, then `step()` per increment; plain class, state in `state_dict()`."""
 
     def __init__(
-        self, config: RunConfig, stream: Stream | None = None, group=None, event_log=None
+        self,
+        config: RunConfig,
+        stream: Stream | None = None,
+        group=None,
+        event_log=None,
+        live: bool = False,
     ) -> None:
         """`group`: a callable (config, num_nodes, edge_dim, expected_nodes=...) -> group;
         None: the backend `config.cluster.backend` names (`LocalGroup`, or Ray actors).
         `event_log`: an `EventLog` every ingested batch is made durable in before routing."""
         self.event_log = event_log
+        self.live = live  # the stream grows: `stream` is phase 1, `append` adds increments
         self.config = config
         self.device = torch.device(config.device)
         d = config.data
@@ -90,7 +96,7 @@ class ContinualLearner:
         t = config.train
         self.train_negatives, self.eval_negatives = t.train_negatives, t.eval_negatives
         t = config.train
-        self.schedule = Schedule(self.events.t, config.continual, t.batch_size, t.epochs)
+        self.schedule = Schedule(self.events.t, config.continual, t.batch_size, t.epochs, live)
         self.val_start, self.phase1_end = self.schedule.val_start, self.schedule.phase1_end
         self.bounds = self.schedule.increments
         self.cursor = Cursor()
@@ -339,6 +345,17 @@ class ContinualLearner:
         if bar is not None:
             bar.close()
         return n / max(time.perf_counter() - ps.pop("t_pass", time.perf_counter()), 1e-9)
+
+    def append(self, events: EventBatch) -> None:
+        """Events that arrived on a live stream: the next increment (eids continue the
+        stream's positions)."""
+        lo = len(self.events)
+        events.eid = torch.arange(lo, lo + len(events))
+        self.events = EventBatch.cat([self.events, events])
+        top = int(torch.maximum(events.src.max(), events.dst.max())) + 1
+        self.stream.events = self.events
+        self.stream.num_nodes = max(self.stream.num_nodes, top)
+        self.schedule.add_increment(lo, len(self.events))
 
     def summary(self) -> dict:
         """Mean metrics over increments, and forgetting: first AP minus AP now, per increment.

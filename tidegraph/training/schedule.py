@@ -72,15 +72,31 @@ class Unit:
 class Schedule:
     """The run as a list of units, a pure function of the stream's times and the config."""
 
-    def __init__(self, t: torch.Tensor, continual, batch_size: int, epochs: int) -> None:
-        self.val_start, self.phase1_end = phase1_bounds(t.shape[0], continual)
-        self.increments = increment_bounds(t, self.phase1_end, continual)
+    def __init__(
+        self, t: torch.Tensor, continual, batch_size: int, epochs: int, live: bool = False
+    ) -> None:
+        """`live`: the stream so far is all of phase 1 (its last `val_fraction` validates),
+        and increments are added as they arrive (`add_increment`)."""
+        if live:
+            end = t.shape[0]
+            self.val_start, self.phase1_end = end - int(end * continual.val_fraction), end
+            self.increments = []
+        else:
+            self.val_start, self.phase1_end = phase1_bounds(t.shape[0], continual)
+            self.increments = increment_bounds(t, self.phase1_end, continual)
+        self.retrain_epochs = continual.retrain_epochs
         self.batch_size = batch_size
         self.units: list[Unit] = []
         self._step = 0
         self._phase1(epochs)
         for k, (lo, hi) in enumerate(self.increments):
             self._increment(k, lo, hi, continual.retrain_epochs)
+
+    def add_increment(self, lo: int, hi: int) -> None:
+        """Events [lo, hi) arrived: one more increment at the end of the run."""
+        k = len(self.increments)
+        self.increments.append((lo, hi))
+        self._increment(k, lo, hi, self.retrain_epochs)
 
     def _pass(self, kind: str, lo: int, hi: int, increment: int, epoch: int) -> None:
         batches = batch_bounds(lo, hi, self.batch_size)
