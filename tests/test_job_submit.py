@@ -25,18 +25,30 @@ def free_port() -> int:
 
 
 def cluster_pids(temp_dir: str) -> list[int]:
-    """Processes whose command line names `temp_dir` (the cluster's session lives there)."""
-    pids = []
+    """The cluster's processes: those whose command line names `temp_dir` (its session lives
+    there), and all their descendants (dashboard modules, agents and workers rename
+    themselves)."""
+    roots, parent = set(), {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ")
+            stat = Path(f"/proc/{entry}/stat").read_text()
         except OSError:
             continue
+        parent[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
         if temp_dir.encode() in cmdline:
-            pids.append(int(entry))
-    return pids
+            roots.add(int(entry))
+    mine, pid = set(), os.getpid()  # never this process or its ancestors
+    while pid > 1 and pid not in mine:
+        mine.add(pid)
+        pid = parent.get(pid, 1)
+    found = frontier = roots - mine
+    while frontier:
+        frontier = {p for p, pp in parent.items() if pp in frontier} - found - mine
+        found = found | frontier
+    return sorted(found)
 
 
 def stop_cluster(temp_dir: str) -> None:
@@ -77,8 +89,12 @@ def test_ray_job_submit_runs_the_job_to_success(auth, tmp_path):
             "python", "-m", "tidegraph.jobs.train", "--max-events", "3000", "--increments",
             "2", "--epochs", "1", "--no-progress", "--out", str(out_dir),
         ]  # fmt: skip
-        done = subprocess.run(submit, env=env, timeout=600, capture_output=True, text=True)
-        log = done.stdout + done.stderr
+        for _ in range(20):  # the head's job agent comes up a little after `ray start`
+            done = subprocess.run(submit, env=env, timeout=600, capture_output=True, text=True)
+            log = done.stdout + done.stderr
+            if "No available agent to submit job" not in log:
+                break
+            time.sleep(3)
         assert done.returncode == 0, log[-3000:]
         assert re.search(r"Job '\S+' succeeded", log), log[-3000:]
         rows = re.findall(r"^\s+(\d+)\s+\d+\s+(0\.\d+)\s+0\.\d+", log, re.MULTILINE)
