@@ -230,19 +230,25 @@ def tied_stream() -> EventBatch:
     return EventBatch(src, dst, t, torch.arange(n))
 
 
+def tied_group(cfg: RunConfig, ev: EventBatch, dtype) -> tuple[LocalGroup, NegativeSampler]:
+    """A group of models in `dtype` that ingested `ev` (80 nodes), and its negatives."""
+    set_determinism(7, threads=1)
+    group = LocalGroup(cfg, 80, 0)
+    for trainer in group.trainers:
+        trainer.model.to(dtype)
+        trainer.new_optimizer()
+    group.ingest(ev, 80)
+    negatives = NegativeSampler(5)
+    negatives.add(ev.dst)
+    return group, negatives
+
+
 @pytest.mark.parametrize("model", ["tgn", "apan", "jodie"])
 def test_slices_cutting_equal_timestamps_and_shared_nodes_are_exact(model, float64):
     ev = tied_stream()
     states = {}
     for shards, trainers in ((1, 1), (2, 3), (3, 4)):
-        set_determinism(7, threads=1)
-        group = LocalGroup(config(model, shards, trainers), 80, 0)
-        for trainer in group.trainers:
-            trainer.model.to(float64)
-            trainer.new_optimizer()
-        group.ingest(ev, 80)
-        negatives = NegativeSampler(5)
-        negatives.add(ev.dst)
+        group, negatives = tied_group(config(model, shards, trainers), ev, float64)
         for lo in range(0, 400, 100):  # slices of 25-34 events: every cut inside a tie run
             batch = ev.select(slice(lo, lo + 100))
             cuts = [a for a, _ in slice_bounds(100, trainers)][1:]
@@ -301,16 +307,9 @@ def test_chunked_evaluation_reads_the_previous_step_in_every_chunk(model, float6
         (1, 1, "replicated", 100000), (1, 1, "replicated", 30), (2, 3, "replicated", 30),
         (2, 2, "sharded", 30), (1, 1, "sharded", 100000),
     ):  # fmt: skip
-        set_determinism(7, threads=1)
         cluster = {"shards": shards, "trainers": trainers, "memory": memory}
         cfg = config(model, shards, trainers, train={"eval_max_roots": max_roots}, cluster=cluster)
-        group = LocalGroup(cfg, 80, 0)
-        for trainer in group.trainers:
-            trainer.model.to(float64)
-            trainer.new_optimizer()
-        group.ingest(ev, 80)
-        negatives = NegativeSampler(5)
-        negatives.add(ev.dst)
+        group, negatives = tied_group(cfg, ev, float64)
         scores = []
         for lo in range(0, 400, 100):  # every step's later chunks hold nodes of earlier ones
             pos, neg = group.eval_step(ev.select(slice(lo, lo + 100)), negatives.sample(100, 3),
