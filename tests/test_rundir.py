@@ -89,3 +89,33 @@ def test_event_log_is_atomic_per_batch_and_idempotent(tmp_path):
     assert not list(tmp_path.rglob("*.tmp"))
     with pytest.raises(ValueError, match="but 10 events"):
         log.append(events.select(slice(0, 10)), 0, 20)
+
+
+@pytest.mark.slow
+def test_a_ray_run_whose_driver_is_killed_resumes_to_the_local_result(tmp_path):
+    """The driver process dies (SIGKILL) after its first checkpoints; the same command with
+    --resume in a new process ends with the metrics an uninterrupted local run gives."""
+    import os
+    import signal
+    import time
+
+    assert _main(ARGS + ["--storage", str(tmp_path), "--run-name", "local"]) == 0
+    ray_args = [a if a != "local" else "ray" for a in ARGS]  # --backend ray
+    cmd = [sys.executable, "-m", "tidegraph.jobs.train", *ray_args, "--storage", str(tmp_path),
+           "--run-name", "cut", "--metrics-port", "-1"]  # fmt: skip
+    env = {**os.environ, "RAY_ADDRESS": ""}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)  # fmt: skip
+    latest = tmp_path / "cut" / "checkpoints" / "latest"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and proc.poll() is None:
+        if latest.exists() and latest.read_text().startswith("increment"):
+            break
+        time.sleep(0.1)
+    assert proc.poll() is None, "the run ended before it could be cut"
+    os.killpg(proc.pid, signal.SIGKILL)  # the driver and the local Ray it started
+    proc.wait(timeout=30)
+    done = subprocess.run(cmd + ["--resume"], env=env, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert records(tmp_path / "cut") == records(tmp_path / "local")
