@@ -33,7 +33,7 @@ from tidegraph.rng import load_generator_state, seed_for, stream
 from tidegraph.storage.events import EventBatch
 from tidegraph.storage.partition import build_partitioner, partition_report
 from tidegraph.training.group import check_placement, choose_memory_placement, state_row_bytes
-from tidegraph.training.schedule import slice_bounds
+from tidegraph.training.schedule import slice_bounds, train_slices
 
 __all__ = ["RayGroup", "PlacementTimeout"]
 
@@ -228,14 +228,9 @@ class RayGroup:
     ) -> float:
         losses, updates = [], []
         before = self._take_pending()
-        for trainer, (lo, hi) in zip(self.trainers, slice_bounds(len(ev), self.num_trainers),
-                                     strict=True):  # fmt: skip
-            w = None if weight is None else weight[lo:hi]
-            n_obs = max(0, min(hi, num_observe) - lo)
-            args = _own((ev.select(slice(lo, hi)), w, neg_BQ[lo:hi]))
-            loss, upd = trainer.train_and_step.options(num_returns=2).remote(
-                *args, n_obs, len(ev), *before
-            )
+        slices = train_slices(ev, weight, neg_BQ, num_observe, self.num_trainers)
+        for trainer, args in zip(self.trainers, slices, strict=True):
+            loss, upd = trainer.train_and_step.options(num_returns=2).remote(*_own(args), *before)
             losses.append(loss)
             updates.append(upd)
         self._apply_state(updates)
@@ -259,12 +254,9 @@ class RayGroup:
         self.drain()
         before = self._take_pending()
         per_trainer = [[] for _ in self.trainers]
-        for ev, weight, neg, n_new in batches:
-            for w, (lo, hi) in enumerate(slice_bounds(len(ev), self.num_trainers)):
-                wt = None if weight is None else weight[lo:hi]
-                n_obs = max(0, min(hi, n_new) - lo)
-                step = (ev.select(slice(lo, hi)), wt, neg[lo:hi], n_obs, len(ev))
-                per_trainer[w].append(_own(step))
+        for batch in batches:
+            for w, args in enumerate(train_slices(*batch, self.num_trainers)):
+                per_trainer[w].append(_own(args))
         refs = [t.train_pass.remote(s, *before) for t, s in zip(self.trainers, per_trainer,
                                                                  strict=True)]  # fmt: skip
         losses = ray.get(refs)

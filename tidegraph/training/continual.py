@@ -70,9 +70,9 @@ class ContinualLearner:
     ) -> None:
         """`group`: a callable (config, num_nodes, edge_dim, expected_nodes=...) -> group;
         None: the backend `config.cluster.backend` names (`LocalGroup`, or Ray actors).
-        `event_log`: an `EventLog` every ingested batch is made durable in before routing."""
+        `event_log`: an `EventLog` every ingested batch is made durable in before routing.
+        `live`: the stream grows: `stream` is phase 1, and `append` adds increments."""
         self.event_log = event_log
-        self.live = live  # the stream grows: `stream` is phase 1, `append` adds increments
         self.config = config
         self.device = torch.device(config.device)
         d = config.data
@@ -95,7 +95,6 @@ class ContinualLearner:
         self.forget_gen = seed_stream(seed, "forgetting")
         t = config.train
         self.train_negatives, self.eval_negatives = t.train_negatives, t.eval_negatives
-        t = config.train
         self.schedule = Schedule(self.events.t, config.continual, t.batch_size, t.epochs, live)
         self.val_start, self.phase1_end = self.schedule.val_start, self.schedule.phase1_end
         self.bounds = self.schedule.increments

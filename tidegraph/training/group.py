@@ -26,7 +26,7 @@ from tidegraph.sampling.multihop import MultiHopSampler
 from tidegraph.storage.events import EventBatch
 from tidegraph.storage.partition import build_partitioner, partition_report
 from tidegraph.training.fetch import ShardedFeatureStore
-from tidegraph.training.schedule import slice_bounds
+from tidegraph.training.schedule import slice_bounds, train_slices
 from tidegraph.training.shard import ShardCore, encode_features, route_events
 from tidegraph.training.state import ShardedStateSource
 from tidegraph.training.trainer import TrainerCore
@@ -127,14 +127,11 @@ class LocalGroup:
     ) -> float:
         """One global step over `ev` (its first `num_observe` events are recorded); returns
         the batch's mean loss."""
-        results, slices = [], slice_bounds(len(ev), self.num_trainers)
-        for trainer, (lo, hi) in zip(self.trainers, slices, strict=True):
-            if hi == lo:
-                continue
-            w = None if weight is None else weight[lo:hi]
-            n_obs = max(0, min(hi, num_observe) - lo)
-            sub = ev.select(slice(lo, hi))
-            results.append(trainer.train_slice(sub, w, neg_BQ[lo:hi], n_obs, len(ev)))
+        results = []
+        slices = train_slices(ev, weight, neg_BQ, num_observe, self.num_trainers)
+        for trainer, args in zip(self.trainers, slices, strict=True):
+            if len(args[0]):
+                results.append(trainer.train_slice(*args))
         if len(results) == 1:
             grad = results[0]["grad"]
         else:

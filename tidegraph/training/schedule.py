@@ -33,6 +33,7 @@ __all__ = [
     "increment_bounds",
     "phase1_bounds",
     "slice_bounds",
+    "train_slices",
 ]
 
 
@@ -152,6 +153,18 @@ def increment_bounds(t: torch.Tensor, start: int, c) -> list[tuple[int, int]]:
 def batch_bounds(start: int, end: int, batch_size: int) -> list[tuple[int, int]]:
     """Global steps over events [start, end): consecutive batches of `batch_size`."""
     return [(lo, min(lo + batch_size, end)) for lo in range(start, end, batch_size)]
+
+
+def train_slices(ev, weight, neg_BQ, num_observe: int, trainers: int) -> list[tuple]:
+    """Per trainer, the arguments of its share of one training step: (events, weights,
+    negatives, how many of its events are new, the global batch size). The first
+    `num_observe` events of the batch are new, so a slice records those it holds."""
+    out = []
+    for lo, hi in slice_bounds(len(ev), trainers):
+        w = None if weight is None else weight[lo:hi]
+        n_obs = max(0, min(hi, num_observe) - lo)
+        out.append((ev.select(slice(lo, hi)), w, neg_BQ[lo:hi], n_obs, len(ev)))
+    return out
 
 
 def slice_bounds(n: int, trainers: int) -> list[tuple[int, int]]:

@@ -189,11 +189,8 @@ class TrainerCore:
         if reduced_grad is not flat:
             flat.copy_(reduced_grad)
         self.optimizer.step()
-        t1 = time.perf_counter()
-        if self.state_source is None:
-            self.model.apply_updates(updates)
-        self.seconds["optimizer"] += t1 - t0
-        self.seconds["apply"] += time.perf_counter() - t1
+        self.seconds["optimizer"] += time.perf_counter() - t0
+        self.apply_updates(updates)
 
     @torch.no_grad()
     def eval_slice(
@@ -249,21 +246,19 @@ class TrainerCore:
         if self.edge_cache is not None:
             self.edge_cache.restore(eids)
 
-    def _scratch_keys(self) -> set[str]:
-        """State-dict keys of node-state tables that are only a pass's scratch copy (sharded
-        placement: the shards own node state)."""
+    def _scratch_keys(self, state: dict) -> set[str]:
+        """Keys of `state` (the model's state dict) that hold node-state tables which are
+        only a pass's scratch copy (sharded placement: the shards own node state)."""
         if self.state_source is None:
             return set()
         ptrs = {t.data_ptr() for t in self.model.state_tables().values()}
-        return {k for k, v in self.model.state_dict().items() if v.data_ptr() in ptrs}
+        return {k for k, v in state.items() if v.data_ptr() in ptrs}
 
     def model_state(self) -> dict:
         """The model's state without node-state scratch tables (sharded placement)."""
-        return self._model_state()
-
-    def _model_state(self) -> dict:
-        scratch = self._scratch_keys()
-        return {k: v for k, v in self.model.state_dict().items() if k not in scratch}
+        state = self.model.state_dict()
+        scratch = self._scratch_keys(state)
+        return {k: v for k, v in state.items() if k not in scratch}
 
     # ---- state ------------------------------------------------------------------------------
 
@@ -271,7 +266,7 @@ class TrainerCore:
         cache = self.edge_cache
         return {
             "rank": self.rank,
-            "model": self._model_state(),
+            "model": self.model_state(),
             "optimizer": self.optimizer.state_dict(),
             "edge_cache": None if cache is None else cache.state_dict(),
             "features": None if cache is None else cache.store.state_dict(),
@@ -281,7 +276,7 @@ class TrainerCore:
         params = self._param_ids()
         # in place, unless a node table grew; without node-state tables when shards hold them
         missing, unexpected = self.model.load_state_dict(state["model"], strict=False)
-        scratch = self._scratch_keys()
+        scratch = self._scratch_keys(self.model.state_dict())
         if unexpected or set(missing) - scratch:
             raise ValueError(
                 f"TrainerCore.load_state_dict: model state does not fit this model (missing "
