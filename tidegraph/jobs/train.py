@@ -4,7 +4,8 @@ With no arguments it starts a local Ray (or joins the cluster at `RAY_ADDRESS`) 
 continuous learning of TGN on the bundled wikipedia stream with 2 graph shards and 2
 data-parallel trainers as actors (phase 1 on the first 30%, then 10 increments: evaluate first,
 then retrain with uniform replay), printing each increment's AP/AUC/MRR and events/s; metrics
-go to `runs/latest/metrics.jsonl` (one JSON line per increment) and `summary.json`.
+go to the run directory `runs/RUN_NAME/` (`metrics.jsonl`, one JSON line per increment, and
+`summary.json`, with the config, the event log and checkpoints).
 `--shards P --trainers W` set the split (the same results as P = W = 1 up to float summation
 order); `--backend local` runs the same shards and trainers in this process. A YAML file maps
 onto `RunConfig` (sections `model`, `data`, `sampler`, `train`, `continual`, `cluster`); flags
@@ -21,7 +22,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
 import yaml
 
 from tidegraph.runtime import set_determinism, tune_host_allocator
@@ -202,7 +202,7 @@ def _open_run(config: RunConfig, resume: bool, out: str | None):
 def _live_source(config: RunConfig, args):
     """The followed directory, and phase 1: the first file that arrives in it."""
     from tidegraph.storage.live import DirectorySource
-    from tidegraph.training.data import Stream
+    from tidegraph.training.data import stream_of
 
     d = config.data
     source = DirectorySource(args.follow, d.format, d.quarantine)
@@ -213,10 +213,7 @@ def _live_source(config: RunConfig, args):
     name, events = got
     if not len(events):
         raise ValueError(f"--follow: {name}, the first file, holds no valid events")
-    events.eid = torch.arange(len(events))
-    num_nodes = int(torch.maximum(events.src.max(), events.dst.max())) + 1
-    edge_dim = 0 if events.edge_feat is None else int(events.edge_feat.shape[1])
-    return source, Stream(events=events, num_nodes=num_nodes, edge_dim=edge_dim, name=name)
+    return source, stream_of(events, name)
 
 
 def _diff(a: dict, b: dict, skip: tuple[str, ...], prefix: str = "") -> list[str]:

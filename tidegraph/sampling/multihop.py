@@ -18,7 +18,7 @@ import torch
 
 from tidegraph.sampling.block import Block
 
-__all__ = ["MultiHopSampler", "sample_hops"]
+__all__ = ["MultiHopSampler", "ask_owners", "sample_hops"]
 
 HopFn = Callable[[torch.Tensor, torch.Tensor, int, "torch.Tensor | None"], Block]
 
@@ -78,6 +78,20 @@ def distinct_roots(
     return out[0], out[1], out[2] if t_lo is not None else None, inverse
 
 
+def ask_owners(
+    own: torch.Tensor, num_shards: int, ask, gather
+) -> list[tuple[torch.Tensor, object]]:
+    """One request per shard that owns any row: `ask(p, idx)` for the rows `idx` whose owner
+    (`own`) is p; the answers are waited for at once (`gather`) and paired with their rows."""
+    index, asked = [], []
+    for p in range(num_shards):
+        idx = (own == p).nonzero().squeeze(1)
+        if idx.numel():
+            index.append(idx)
+            asked.append(ask(p, idx))
+    return list(zip(index, gather(asked), strict=True))
+
+
 class MultiHopSampler:
     """Samples over shards: `shards[p].sample_hop` answers the roots that `owner` maps to p.
 
@@ -118,17 +132,13 @@ class MultiHopSampler:
         if len(self.shards) == 1:
             self.requests += 1
             return self.gather([self.shards[0].sample_hop(roots, t_hi, k, t_lo)])[0]
-        own = self.owner(roots)
-        index, asked = [], []
-        for p, shard in enumerate(self.shards):
-            idx = (own == p).nonzero().squeeze(1)
-            if idx.numel() == 0:
-                continue
+
+        def ask(p, idx):
             lo = None if t_lo is None else t_lo.index_select(0, idx)
-            self.requests += 1
-            index.append(idx)
-            asked.append(shard.sample_hop(roots.index_select(0, idx), t_hi[idx], k, lo))
-        parts = list(zip(index, self.gather(asked), strict=True))
+            return self.shards[p].sample_hop(roots.index_select(0, idx), t_hi[idx], k, lo)
+
+        parts = ask_owners(self.owner(roots), len(self.shards), ask, self.gather)
+        self.requests += len(parts)
         return merge_blocks(roots, t_hi, k, parts)
 
 

@@ -21,7 +21,7 @@ import torch
 from tidegraph.storage.events import EventBatch
 from tidegraph.storage.loaders import load_events
 
-__all__ = ["BUNDLED", "Stream", "load_stream"]
+__all__ = ["BUNDLED", "Stream", "load_stream", "stream_of"]
 
 BUNDLED = {
     "wikipedia": "wikipedia_u_i_ts_label.csv.gz",
@@ -82,14 +82,19 @@ def _load_file(path: Path, max_events: int | None, format: str, quarantine: str 
     events = load_events(path, format, sort="full", quarantine=quarantine)
     if max_events is not None:
         events = events.select(slice(0, max_events))
-    n = len(events)
-    if n == 0:
+    if len(events) == 0:
         raise ValueError(f"data.dataset: {path} holds no valid events")
-    events.eid = torch.arange(n)  # rows of the stream (and of its edge-feature store)
+    return stream_of(events, path.name)
+
+
+def stream_of(events: EventBatch, name: str) -> Stream:
+    """`events` (time-ordered, not empty) as a stream: eids become their positions, the rows
+    of the stream and of its edge-feature store."""
+    events.eid = torch.arange(len(events))
     num_nodes = int(torch.maximum(events.src.max(), events.dst.max())) + 1
     feat = events.edge_feat
     edge_dim = 0 if feat is None else int(feat.shape[1])
-    return Stream(events=events, num_nodes=num_nodes, edge_dim=edge_dim, name=path.name)
+    return Stream(events=events, num_nodes=num_nodes, edge_dim=edge_dim, name=name)
 
 
 def _resolve(dataset: str) -> Path:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from tidegraph.sampling.block import Block
+from tidegraph.sampling.multihop import ask_owners
 from tidegraph.storage.events import EventBatch
 from tidegraph.storage.features import EncodedRows, FeatureStore
 
@@ -45,17 +46,11 @@ class ShardedFeatureStore(FeatureStore):
         if p == 1:
             self.requests += 1
             return self.gather([self.shards[0].fetch(ids)])[0]
-        own = torch.remainder(ids, p)
+        ask = lambda q, idx: self.shards[q].fetch(ids.index_select(0, idx))  # noqa: E731
+        answers = ask_owners(torch.remainder(ids, p), p, ask, self.gather)
+        self.requests += len(answers)
         data, scale = None, None
-        index, asked = [], []
-        for q, shard in enumerate(self.shards):
-            idx = (own == q).nonzero().squeeze(1)
-            if idx.numel() == 0:
-                continue
-            self.requests += 1
-            index.append(idx)
-            asked.append(shard.fetch(ids.index_select(0, idx)))
-        for idx, rows in zip(index, self.gather(asked), strict=True):
+        for idx, rows in answers:
             if data is None:
                 data = rows.data.new_empty((ids.shape[0], self.dim))
                 if rows.scale is not None:

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from tidegraph.sampling.multihop import ask_owners
+
 __all__ = ["DenseRowIndex", "ShardNodeState", "ShardedStateSource", "SortedRowIndex"]
 
 
@@ -144,17 +146,11 @@ class ShardedStateSource:
         if len(self.shards) == 1:
             self.requests += 1
             return self.gather([self.shards[0].read_state(ids, names)])[0]
-        own = self.owner(ids)
+        ask = lambda p, idx: self.shards[p].read_state(ids.index_select(0, idx), names)  # noqa: E731
+        answers = ask_owners(self.owner(ids), len(self.shards), ask, self.gather)
+        self.requests += len(answers)
         out: dict[str, torch.Tensor] = {}
-        index, asked = [], []
-        for p, shard in enumerate(self.shards):
-            idx = (own == p).nonzero().squeeze(1)
-            if idx.numel() == 0:
-                continue
-            self.requests += 1
-            index.append(idx)
-            asked.append(shard.read_state(ids.index_select(0, idx), names))
-        for idx, part in zip(index, self.gather(asked), strict=True):
+        for idx, part in answers:
             for k, v in part.items():
                 if k not in out:
                     out[k] = v.new_empty((ids.shape[0],) + tuple(v.shape[1:]))
