@@ -200,14 +200,11 @@ class RayGroup:
     # ---- ingest -----------------------------------------------------------------------------
 
     def ingest(self, events: EventBatch, num_nodes: int) -> None:
-        from tidegraph.training.shard import encode_features, route_events
+        from tidegraph.training.shard import route_batch
 
         self.drain()  # steps under way read the shards: they finish before shards change
-        self.partitioner.assign(events.src, events.dst)
-        own_src = self.partitioner.owner(events.src)
-        own_dst = self.partitioner.owner(events.dst)
-        encoded = encode_features(events, self.config.data.feature_precision, self.feature_gen)
-        pieces = route_events(events, own_src, own_dst, self.num_shards, encoded)
+        precision = self.config.data.feature_precision
+        pieces = route_batch(self.partitioner, events, precision, self.feature_gen)
         ray.get([s.ingest.remote(piece) for s, piece in zip(self.shards, pieces, strict=True)])
         if len(events):
             self.num_rows = max(self.num_rows, int(events.eid.max()) + 1)

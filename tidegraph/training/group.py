@@ -27,7 +27,7 @@ from tidegraph.storage.events import EventBatch
 from tidegraph.storage.partition import build_partitioner, partition_report
 from tidegraph.training.fetch import ShardedFeatureStore
 from tidegraph.training.schedule import slice_bounds, train_slices
-from tidegraph.training.shard import ShardCore, encode_features, route_events
+from tidegraph.training.shard import ShardCore, route_batch
 from tidegraph.training.state import ShardedStateSource
 from tidegraph.training.trainer import TrainerCore
 
@@ -107,11 +107,8 @@ class LocalGroup:
 
     def ingest(self, events: EventBatch, num_nodes: int) -> None:
         """Route events to their shards (both endpoints' owners), grow trainers' node tables."""
-        self.partitioner.assign(events.src, events.dst)
-        own_src = self.partitioner.owner(events.src)
-        own_dst = self.partitioner.owner(events.dst)
-        encoded = encode_features(events, self.config.data.feature_precision, self.feature_gen)
-        pieces = route_events(events, own_src, own_dst, self.num_shards, encoded)
+        precision = self.config.data.feature_precision
+        pieces = route_batch(self.partitioner, events, precision, self.feature_gen)
         for shard, piece in zip(self.shards, pieces, strict=True):
             shard.ingest(piece)
         top = int(events.eid.max()) + 1 if len(events) else 0

@@ -30,7 +30,7 @@ from tidegraph.storage.features import EncodedRows, HostFeatureStore, encode
 from tidegraph.storage.graph import DynamicGraph
 from tidegraph.training.state import ShardNodeState
 
-__all__ = ["ShardBatch", "ShardCore", "route_events"]
+__all__ = ["ShardBatch", "ShardCore", "encode_features", "route_batch", "route_events"]
 
 
 @dataclass
@@ -97,6 +97,17 @@ def route_events(
             ShardBatch(node[keep], nbr[keep], t[keep], eid[keep], n_events, events.eid[fkeep], feat)
         )
     return out
+
+
+def route_batch(
+    partitioner, events: EventBatch, precision: str, generator: torch.Generator | None
+) -> list[ShardBatch]:
+    """Place the batch's new nodes, encode its features, and cut it into each shard's piece
+    (what every group does with a batch before its shards ingest it)."""
+    partitioner.assign(events.src, events.dst)
+    own_src, own_dst = partitioner.owner(events.src), partitioner.owner(events.dst)
+    encoded = encode_features(events, precision, generator)
+    return route_events(events, own_src, own_dst, partitioner.num_parts, encoded)
 
 
 class ShardCore:
