@@ -29,7 +29,7 @@ from tidegraph.runtime import set_determinism  # noqa: E402
 from tidegraph.training import ContinualLearner, RunConfig, load_stream  # noqa: E402
 from tidegraph.training.schedule import phase1_bounds  # noqa: E402
 
-PHASES = ("sample", "fetch", "compute", "allreduce", "optimizer", "apply")
+PHASES = ("sample", "fetch", "compute", "allreduce", "optimizer", "apply", "exchange")
 CONFIGS = [("local", 1, 1, 1), ("local", 1, 1, 2), ("ray", 1, 1, 1), ("ray", 2, 1, 1),
            ("ray", 1, 2, 1), ("ray", 2, 2, 1), ("ray", 2, 4, 1)]  # fmt: skip
 
@@ -73,15 +73,27 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=200)
     p.add_argument("--warmup", type=int, default=2000)
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument(
+        "--configs",
+        default=None,
+        help="only these, e.g. local:1:1:2,ray:1:2:1 (backend:P:W:threads)",
+    )
     args = p.parse_args()
     import ray
 
     ray.init(_node_ip_address="127.0.0.1", num_cpus=6, include_dashboard=False,
              configure_logging=False)  # fmt: skip
     stream = load_stream(args.dataset, args.max_events)
-    rows = {c: [] for c in CONFIGS}
+    configs = CONFIGS
+    if args.configs:
+        parse = lambda c: (c[0], int(c[1]), int(c[2]), int(c[3]))  # noqa: E731
+        configs = [parse(c.split(":")) for c in args.configs.split(",")]
+    for base in (("local", 1, 1, 1), ("local", 1, 1, 2)):
+        if base not in configs:
+            configs.insert(0, base)
+    rows = {c: [] for c in configs}
     for _ in range(args.repeats):  # round robin, so drift on the box touches every config
-        for c in CONFIGS:
+        for c in configs:
             rows[c].append(measure(args, stream, *c))
     ray.shutdown()
     base1 = statistics.median(r["events_per_s"] for r in rows[("local", 1, 1, 1)])

@@ -76,11 +76,12 @@ class _Trainer:
         if before:
             self.core.apply_updates(list(before))
         losses = []
+        gather = self.world > 1
         for ev, weight, neg, num_observe, global_size in slices:
             loss, updates = self.core.train_and_step(
-                ev, weight, neg, num_observe, global_size, self.collective
+                ev, weight, neg, num_observe, global_size, self.collective, gather
             )
-            self.core.apply_updates(self._gather(updates))
+            self.core.apply_updates(updates if gather else [updates])
             losses.append(loss)
         return losses
 
@@ -104,7 +105,7 @@ class _Trainer:
         """Every trainer's updates of this step, in rank order (a collective)."""
         if self.world == 1:
             return [updates]
-        return self.collective.all_gather_object(updates)
+        return self.collective.all_gather_tensors(updates, self.core.device)
 
     def eval_slice(self, ev, neg, observe: bool, *before):
         if before:

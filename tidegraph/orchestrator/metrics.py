@@ -23,7 +23,7 @@ __all__ = ["RunMetrics"]
 
 log = logging.getLogger(__name__)
 
-PHASES = ("sample", "fetch", "compute", "allreduce", "optimizer", "apply")
+PHASES = ("sample", "fetch", "compute", "allreduce", "optimizer", "apply", "exchange")
 
 
 class RunMetrics:

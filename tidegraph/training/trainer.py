@@ -79,7 +79,8 @@ class TrainerCore:
         self.train_negatives, self.eval_negatives = t.train_negatives, t.eval_negatives
         self.eval_max_roots = t.eval_max_roots
         # seconds per phase of training steps: sample, fetch (features, node state), compute
-        # (forward, backward), allreduce, optimizer, apply (node-state updates)
+        # (forward, backward), allreduce, optimizer, apply (node-state updates), exchange
+        # (trainers swapping node-state updates among themselves)
         self.seconds: dict[str, float] = defaultdict(float)
 
     # ---- parameters -------------------------------------------------------------------------
@@ -127,9 +128,12 @@ class TrainerCore:
         neg_BQ: torch.Tensor,
         num_observe: int,
         global_size: int,
+        exchange=None,
     ) -> SliceResult:
         """Gradient of this slice's share of the global-batch loss; its first `num_observe`
-        events are new in time order and are recorded in node state."""
+        events are new in time order and are recorded in node state. `exchange`, if given,
+        is called with the node-state updates before backward, and what it returns is the
+        result's "updates"."""
         if not self.model.training:  # Module.train() walks every submodule: once per pass
             self.model.train()
         observe = ev.select(slice(0, num_observe)) if num_observe else None
@@ -143,13 +147,21 @@ class TrainerCore:
         loss = loss_e.mean()
         if len(ev) != global_size:  # this slice's share of the global mean
             loss = loss * (len(ev) / global_size)
+        if observe is not None:
+            observe = observe.to(self.device)
+        # a function of the forward pass alone: taken before backward, so that a group can
+        # exchange the updates while the gradient is computed
+        t0 = time.perf_counter()
+        updates = self.model.take_updates(observe)
+        t1 = time.perf_counter()
+        if exchange is not None:
+            updates = exchange(updates)
+        self.seconds["apply"] += t1 - t0
+        self.seconds["exchange"] += time.perf_counter() - t1
         t0 = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         self.seconds["compute"] += time.perf_counter() - t0
-        if observe is not None:
-            observe = observe.to(self.device)
-        updates = self.model.take_updates(observe)
         return SliceResult(
             grad=self.optimizer.flat_grad, loss=float(loss.detach()), updates=updates
         )
@@ -162,23 +174,32 @@ class TrainerCore:
         num_observe: int,
         global_size: int,
         collective,
-    ) -> tuple[float, dict | None]:
+        gather: bool = False,
+    ) -> tuple[float, dict | list | None]:
         """A whole data-parallel step in a group of trainers: this slice's gradient, summed
         over the group by `collective` (an empty slice contributes zeros), then the optimizer
         step. Returns the slice's loss and node-state updates; `apply_updates` with every
-        slice's updates completes the step."""
+        slice's updates completes the step. With `gather`, the updates of every slice (in
+        rank order) are returned instead, exchanged over `collective` during backward."""
+        exchange = None
+        if gather:
+            exchange = lambda u: collective.all_gather_tensors_async(u, self.device)  # noqa: E731
         if len(ev):
-            result = self.train_slice(ev, weight, neg_BQ, num_observe, global_size)
+            result = self.train_slice(ev, weight, neg_BQ, num_observe, global_size, exchange)
             loss, updates = result["loss"], result["updates"]
         else:
             self.optimizer.zero_grad()
-            loss, updates = 0.0, None
+            loss, updates = 0.0, None if exchange is None else exchange(None)
         t0 = time.perf_counter()
         collective.allreduce_sum_(self.optimizer.flat_grad)
         t1 = time.perf_counter()
         self.optimizer.step()
+        t2 = time.perf_counter()
+        if gather:
+            updates = updates.wait()
         self.seconds["allreduce"] += t1 - t0
-        self.seconds["optimizer"] += time.perf_counter() - t1
+        self.seconds["optimizer"] += t2 - t1
+        self.seconds["exchange"] += time.perf_counter() - t2
         return loss, updates
 
     def apply(self, reduced_grad: torch.Tensor, updates: list) -> None:
