@@ -1,0 +1,538 @@
+"""Compressed all-reduce of a flat gradient: two-way stochastic quantization, or top-k.
+
+Why two-way (BytePS-Compress, ZeRO++ qgZ) and not "quantize, all-reduce": an all-reduce sums
+partial results at every hop, so each hop would need fp32 (or re-quantize with error growing
+per hop). Here every rank sends each peer the quantized chunk that peer owns (all-to-all), the
+owner decodes the W contributions and sums them in fp32, re-quantizes the sum once and the
+owners' results are all-gathered and decoded. Each value is quantized twice, whatever W, and
+each rank sends 2 (W - 1) / W of the codes, like a ring all-reduce sends of fp32.
+
+Every rank, the owner of a piece included, decodes the same gathered bytes with the same code,
+so all replicas end bitwise identical (they must, or they drift apart). The all-to-all is
+torch.distributed's `all_to_all_single`, which gloo implements in this torch (2.13; checked by
+tests/test_qallreduce.py) as NCCL does, so no emulation is needed; the gather is
+`all_gather_single` (`all_gather_into_tensor` in torches that lack it).
+
+Per step, the flat tensor is cut into buckets (`plan_buckets`: a fixed size, or sized by a link
+cost model, MG-WFBP style: small tensors merged until a message's latency alpha is a small
+fraction of its transfer time bytes * beta, and merged further while the link would still be
+busy when the next gradient is ready). Buckets below `min_bucket_bytes` and every bucket during
+the first `warmup_steps` go through one exact fp32 all-reduce; the other buckets, whatever
+their bit widths, share one all-to-all and one all-gather (one latency per step, not per
+bucket).
+
+Adaptive bit width (AdaQP's objective): bucket k at b bits adds quantization variance
+V_k(b) = sum over its values of range^2 / (2^b - 1)^2 (range of the value's chunk) and costs
+bytes B_k(b). Every `adaptive_every` steps the ranks sum their V_k and |g|^2 (one small
+all-reduce) and pick, per bucket, b minimising V_k(b) / |g|^2 + lambda * B_k(b) / B_fp32. The
+objective is a sum of per-bucket terms, so trying each bit width per bucket solves it exactly
+(no solver); rank 0's choice is broadcast so ranks can never disagree on message sizes.
+
+Top-k: each rank sends the k = ratio * n largest-magnitude values of each bucket with their
+indices (all-gather; sparse sums do not shrink under a reduce-scatter), and every rank adds the
+W sparse vectors in rank order. Indices of one rank are distinct, so the sum is deterministic
+even with atomics.
+
+`ErrorFeedback` (optional) keeps what each rank's encoding dropped and, for the owner's
+re-quantization, what the second encoding dropped, and adds it to the next step's input.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from tidegraph import rng
+from tidegraph.comm.config import CommConfig
+from tidegraph.comm.quantize import (
+    ErrorFeedback,
+    _pad_to,
+    dequantize_chunks,
+    quantize_chunks,
+    topk_sparsify,
+)
+
+__all__ = [
+    "CommStats",
+    "DDPHookState",
+    "QuantizedAllReduce",
+    "choose_bits",
+    "ddp_bucket_cap_mb",
+    "plan_buckets",
+    "quantized_ddp_hook",
+]
+
+log = logging.getLogger(__name__)
+
+EXACT_BITS = 32  # a bucket's entry in `CommStats.bits` when it went uncompressed
+TOPK_BITS = 0  # ... when it was sparsified by top-k
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+@dataclass
+class CommStats:
+    """What one all-reduce did: bytes this rank sent, and each bucket's bit width."""
+
+    step: int
+    compression: str  # the configured one; "none" during warm-up too, see `bits`
+    bytes_sent: int  # by this rank (ring all-reduce / all-to-all + ring all-gather)
+    bytes_fp32: int  # what an fp32 ring all-reduce of the same tensor sends
+    bits: tuple[int, ...] = field(default_factory=tuple)  # 32 exact, 8/4/2, 0 top-k
+    decided: bool = False  # adaptive bits were re-decided this step
+
+    @property
+    def ratio(self) -> float:
+        return self.bytes_sent / self.bytes_fp32 if self.bytes_fp32 else 1.0
+
+
+def _link_target_bytes(config: CommConfig) -> float:
+    """Smallest message whose latency is at most `latency_fraction` of its whole time."""
+    beta = 8.0 / (config.link_bandwidth_gbps * 1e9)  # seconds per byte
+    f = config.latency_fraction
+    return config.link_latency_s * (1 - f) / (f * beta)
+
+
+def ddp_bucket_cap_mb(config: CommConfig) -> float:
+    """DDP's `bucket_cap_mb` for `config` (fixed size, or the cost model's target)."""
+    size = config.bucket_bytes if config.bucketing == "fixed" else _link_target_bytes(config)
+    return size / 2**20
+
+
+def plan_buckets(
+    sizes: Sequence[int],
+    config: CommConfig,
+    ready_s: Sequence[float] | None = None,
+    itemsize: int = 4,
+) -> list[tuple[int, int]]:
+    """Element ranges [lo, hi) of a flat buffer holding tensors of `sizes`, in order.
+
+    "fixed": tensors in order fill a bucket up to `bucket_bytes`; a tensor larger than that is
+    split into equal pieces. "cost_model": tensors taken in backward order (last first, as
+    their gradients become ready, at `ready_s` seconds if known) merge until the bucket reaches
+    the link's target size, and keep merging while the link would still be busy sending
+    earlier buckets when the next gradient is ready (MG-WFBP's rule: waiting is free then,
+    a separate message costs alpha). Tensors are never split in that mode.
+    """
+    if any(int(n) < 0 for n in sizes):
+        raise ValueError(f"plan_buckets: sizes must be >= 0, got {list(sizes)}")
+    if config.bucketing == "fixed":
+        return _fixed_buckets([int(n) for n in sizes], max(1, config.bucket_bytes // itemsize))
+    return _cost_model_buckets([int(n) for n in sizes], config, ready_s, itemsize)
+
+
+def _fixed_buckets(sizes: list[int], cap: int) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    lo = at = 0
+    for n in sizes:
+        if at > lo and at - lo + n > cap:
+            out.append((lo, at))
+            lo = at
+        if n > cap:
+            pieces = -(-n // cap)
+            cuts = [at + (n * i) // pieces for i in range(pieces + 1)]
+            out.extend(zip(cuts[:-1], cuts[1:], strict=True))
+            lo = at + n
+        at += n
+    if at > lo:
+        out.append((lo, at))
+    return out
+
+
+def _cost_model_buckets(
+    sizes: list[int], config: CommConfig, ready_s: Sequence[float] | None, itemsize: int
+) -> list[tuple[int, int]]:
+    if ready_s is not None and len(ready_s) != len(sizes):
+        raise ValueError(f"plan_buckets: {len(ready_s)} ready times for {len(sizes)} tensors")
+    target = _link_target_bytes(config)
+    alpha, beta = config.link_latency_s, 8.0 / (config.link_bandwidth_gbps * 1e9)
+    ends = list(_cumsum(sizes))
+    cuts: list[int] = []  # flat offsets where a bucket starts, found in backward order
+    link_free, cur_bytes, cur_ready = 0.0, 0, 0.0
+    for i in reversed(range(len(sizes))):
+        ready = 0.0 if ready_s is None else float(ready_s[i])
+        if cur_bytes >= target:
+            start = max(cur_ready, link_free)
+            if ready_s is None or ready >= start:  # link idle by then: send the bucket now
+                cuts.append(ends[i])
+                link_free = start + alpha + beta * cur_bytes
+                cur_bytes = 0
+        cur_bytes += sizes[i] * itemsize
+        cur_ready = ready
+    bounds = [0, *sorted(set(cuts)), ends[-1] if ends else 0]
+    return [(a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a]
+
+
+def _cumsum(sizes: list[int]):
+    at = 0
+    for n in sizes:
+        at += n
+        yield at
+
+
+def _starts(lengths: list[int]) -> list[int]:
+    return [0, *_cumsum(lengths)][:-1]
+
+
+def choose_bits(
+    range_sq: torch.Tensor,
+    numel: torch.Tensor,
+    energy: float,
+    candidates: Sequence[int],
+    lam: float,
+    chunk_size: int,
+) -> list[int]:
+    """Per bucket, the bit width minimising V(b) / energy + lam * bytes(b) / fp32 bytes.
+
+    `range_sq[k]` is the sum over bucket k's values of their chunk's range squared (so
+    V_k(b) = range_sq[k] / (2^b - 1)^2), `numel[k]` its values, `energy` |g|^2 over all
+    compressed buckets. Exact (the objective is separable); ties go to fewer bits.
+    """
+    cand = torch.tensor(sorted(candidates), dtype=torch.float64)
+    range_sq = range_sq.to(torch.float64).reshape(-1, 1)
+    numel = numel.to(torch.float64).reshape(-1, 1)
+    variance = range_sq / (2.0**cand - 1.0) ** 2
+    nbytes = numel * cand / 8 + 8.0 * torch.ceil(numel / chunk_size)
+    fp32_bytes = max(4.0 * float(numel.sum()), 1.0)
+    cost = variance / max(float(energy), 1e-30) + lam * nbytes / fp32_bytes
+    return [int(b) for b in cand[cost.argmin(dim=1)].tolist()]
+
+
+@dataclass(frozen=True)
+class _Bucket:
+    lo: int  # in the flat tensor
+    hi: int
+    at: int  # offset in the concatenation of compressed buckets
+    seg: int  # values per rank's segment (whole chunks)
+
+    @property
+    def n(self) -> int:
+        return self.hi - self.lo
+
+
+def _row_bytes(seg: int, chunk_size: int, bits: int) -> int:
+    return seg * bits // 8 + 8 * (seg // chunk_size)
+
+
+def _encode(chunks: torch.Tensor, rows: int, bits: int, gen) -> torch.Tensor:
+    """uint8 [rows, row_bytes]: each row a run of whole chunks' codes, then their (min, scale)."""
+    packed, mins, scales = quantize_chunks(chunks, bits, gen)
+    meta = torch.stack([mins, scales], dim=1).view(torch.uint8)
+    return torch.cat([packed.reshape(rows, -1), meta.reshape(rows, -1)], dim=1)
+
+
+def _decode(block: torch.Tensor, seg: int, chunk_size: int, bits: int) -> torch.Tensor:
+    """fp32 [rows, seg] of `_encode`'s rows (a column slice of a received buffer)."""
+    rows, cps = block.shape[0], seg // chunk_size
+    code_bytes = seg * bits // 8
+    meta = block[:, code_bytes:].contiguous().view(torch.float32).reshape(rows * cps, 2)
+    packed = block[:, :code_bytes].reshape(rows * cps, chunk_size * bits // 8)
+    return dequantize_chunks(packed, meta[:, 0], meta[:, 1], bits).reshape(rows, seg)
+
+
+class QuantizedAllReduce:
+    """Compressed all-reduce of one flat fp32 buffer for rank `rank` of `world` in `group`.
+
+    `allreduce_(flat, step, average=False)` replaces `flat` by the (approximate) sum over
+    ranks, or mean with `average`, identical on every rank, and returns `CommStats`. `sizes`
+    (the tensors the flat buffer holds, e.g. `FlatAdam.sizes`) align buckets to them; without
+    it, or when the buffer's size changes, the buffer counts as one tensor. Randomness comes
+    from the named stream "comm" of `seed`, one per rank.
+    """
+
+    def __init__(
+        self,
+        config: CommConfig,
+        group: dist.ProcessGroup | None,
+        rank: int,
+        world: int,
+        seed: int = 0,
+        sizes: Sequence[int] | None = None,
+    ) -> None:
+        self.config, self.group, self.rank, self.world, self.seed = config, group, rank, world, seed
+        self.sizes = None if sizes is None else [int(n) for n in sizes]
+        self._gen: torch.Generator | None = None
+        self._numel: int | None = None
+        self._ranges: list[tuple[int, int]] = []
+        self._bits: list[int] | None = None  # per bucket, adaptive
+        self._decided_at: int | None = None
+        self._worker_fb = ErrorFeedback()
+        self._owner_fb = ErrorFeedback()
+
+    @property
+    def buckets(self) -> list[tuple[int, int]]:
+        return list(self._ranges)
+
+    def allreduce_(self, flat: torch.Tensor, step: int, average: bool = False) -> CommStats:
+        if flat.dim() != 1 or not flat.is_contiguous():
+            raise ValueError("QuantizedAllReduce: expected a contiguous 1-D tensor")
+        cfg, world = self.config, self.world
+        stats = CommStats(step, cfg.compression, 0, _ring_bytes(flat.numel() * 4, world))
+        if world == 1:
+            stats.bits = (EXACT_BITS,) * len(self._plan(flat))
+            return stats
+        ranges = self._plan(flat)
+        compress = cfg.compression != "none" and step >= cfg.warmup_steps
+        chosen = [
+            i
+            for i, (lo, hi) in enumerate(ranges)
+            if compress and hi > lo and (hi - lo) * 4 >= cfg.min_bucket_bytes
+        ]
+        picked_set = set(chosen)
+        exact = [r for i, r in enumerate(ranges) if i not in picked_set]
+        stats.bytes_sent += self._exact(flat, exact, average)
+        bits = [EXACT_BITS] * len(ranges)
+        if chosen:
+            picked = [ranges[i] for i in chosen]
+            if cfg.compression == "topk":
+                stats.bytes_sent += self._topk(flat, picked, average)
+                codes = [TOPK_BITS] * len(chosen)
+            else:
+                codes, decided, sent = self._bits_for(flat, picked, step)
+                stats.decided = decided
+                stats.bytes_sent += sent + self._quantized(flat, picked, codes, average)
+            for i, b in zip(chosen, codes, strict=True):
+                bits[i] = b
+        stats.bits = tuple(bits)
+        return stats
+
+    # -- buckets and bit widths ------------------------------------------------------------
+
+    def _plan(self, flat: torch.Tensor) -> list[tuple[int, int]]:
+        n = flat.numel()
+        if n != self._numel:
+            sizes = self.sizes if self.sizes and sum(self.sizes) == n else [n]
+            if self.sizes and sum(self.sizes) != n:
+                log.info("comm: buffer of %d values is not the %d of `sizes`; one tensor", n,
+                         sum(self.sizes))  # fmt: skip
+            self._ranges = plan_buckets(sizes, self.config) if n else []
+            self._numel, self._bits, self._decided_at = n, None, None
+        return self._ranges
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        if self._gen is None or self._gen.device != device:
+            self._gen = rng.stream(self.seed, "comm", self.rank, device=str(device))
+        return self._gen
+
+    def _bits_for(self, flat, ranges, step: int) -> tuple[list[int], bool, int]:
+        """(bits per bucket, re-decided now, bytes the decision sent)."""
+        cfg = self.config
+        if cfg.fixed_bits is not None:
+            return [cfg.fixed_bits] * len(ranges), False, 0
+        due = self._decided_at is None or step - self._decided_at >= cfg.adaptive_every
+        if self._bits is not None and len(self._bits) == len(ranges) and not due:
+            return self._bits, False, 0
+        S = cfg.chunk_size
+        stats = torch.zeros(len(ranges) + 1, dtype=torch.float64, device=flat.device)
+        for k, (lo, hi) in enumerate(ranges):  # one vectorized pass per bucket
+            x = flat[lo:hi].float()
+            chunks = _pad_to(x, -(-x.numel() // S) * S).reshape(-1, S)
+            lo_c, hi_c = torch.aminmax(chunks, dim=1)
+            stats[k] = ((hi_c - lo_c).double().square() * S).sum()
+            stats[-1] += x.double().square().sum()
+        dist.all_reduce(stats, group=self.group)
+        numel = torch.tensor([hi - lo for lo, hi in ranges], dtype=torch.float64)
+        bits = torch.tensor(
+            choose_bits(stats[:-1].cpu(), numel, float(stats[-1]), cfg.adaptive_bits,
+                        cfg.adaptive_lambda, S),
+            dtype=torch.int64, device=flat.device,
+        )  # fmt: skip
+        dist.broadcast(bits, src=_global_rank(self.group, 0), group=self.group)
+        self._bits, self._decided_at = [int(b) for b in bits.tolist()], step
+        log.info("comm: step %d bits per bucket %s", step, self._bits)
+        sent = _ring_bytes(stats.numel() * 8, self.world) + bits.numel() * 8
+        return self._bits, True, sent
+
+    # -- the three exchanges ---------------------------------------------------------------
+
+    def _exact(self, flat: torch.Tensor, ranges: list[tuple[int, int]], average: bool) -> int:
+        if not ranges:
+            return 0
+        whole = len(ranges) == len(self._ranges)
+        buf = flat if whole else torch.cat([flat[lo:hi] for lo, hi in ranges])
+        dist.all_reduce(buf, group=self.group)
+        if average:
+            buf.div_(self.world)
+        if not whole:
+            _scatter_back(flat, ranges, buf)
+        return _ring_bytes(buf.numel() * buf.element_size(), self.world)
+
+    def _compensated(self, flat: torch.Tensor, ranges: list[tuple[int, int]]) -> torch.Tensor:
+        x = torch.cat([flat[lo:hi] for lo, hi in ranges]).float()
+        return self._worker_fb.compensate(x) if self.config.error_feedback else x
+
+    def _quantized(self, flat, ranges, bits: list[int], average: bool) -> int:
+        cfg, W, S = self.config, self.world, self.config.chunk_size
+        gen = self._generator(flat.device)
+        comp = self._compensated(flat, ranges)
+        buckets, at = [], 0
+        for lo, hi in ranges:
+            buckets.append(_Bucket(lo, hi, at, -(-(hi - lo) // (W * S)) * S))
+            at += hi - lo
+        send = torch.cat(
+            [
+                _encode(_pad_to(comp[b.at : b.at + b.n], W * b.seg).reshape(-1, S), W, bb, gen)
+                for b, bb in zip(buckets, bits, strict=True)
+            ],
+            dim=1,
+        )
+        widths = [_row_bytes(b.seg, S, bb) for b, bb in zip(buckets, bits, strict=True)]
+        offsets = _starts(widths)
+        if cfg.error_feedback:  # what this rank's codes decode to
+            mine = [
+                _decode(send[:, o : o + w], b.seg, S, bb).reshape(-1)[: b.n]
+                for b, bb, o, w in zip(buckets, bits, offsets, widths, strict=True)
+            ]
+            self._worker_fb.update(comp, torch.cat(mine))
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=self.group)
+        # owner: sum the W decoded contributions in fp32, in rank order
+        owned = torch.cat(
+            [
+                _decode(recv[:, o : o + w], b.seg, S, bb).sum(dim=0)
+                for b, bb, o, w in zip(buckets, bits, offsets, widths, strict=True)
+            ]
+        )
+        if average:
+            owned.div_(W)
+        if cfg.error_feedback:
+            owned = self._owner_fb.compensate(owned)
+        seg_at = _starts([b.seg for b in buckets])
+        piece = torch.cat(
+            [
+                _encode(owned[a : a + b.seg].reshape(-1, S), 1, bb, gen)
+                for b, bb, a in zip(buckets, bits, seg_at, strict=True)
+            ],
+            dim=1,
+        ).reshape(-1)
+        gathered = self._gather(piece)
+        decoded_own = []
+        for b, bb, o, w in zip(buckets, bits, offsets, widths, strict=True):
+            values = _decode(gathered[:, o : o + w], b.seg, S, bb)
+            decoded_own.append(values[self.rank])
+            flat[b.lo : b.hi].copy_(values.reshape(-1)[: b.n])
+        if cfg.error_feedback:  # what the owner's second encoding dropped
+            self._owner_fb.update(owned, torch.cat(decoded_own))
+        return 2 * (W - 1) * piece.numel()
+
+    def _gather(self, piece: torch.Tensor) -> torch.Tensor:
+        """[W, bytes]: every rank's `piece` in rank order (gloo wants a flat output)."""
+        out = torch.empty(self.world * piece.numel(), dtype=piece.dtype, device=piece.device)
+        _all_gather(out, piece, group=self.group)
+        return out.reshape(self.world, piece.numel())
+
+    def _topk(self, flat, ranges, average: bool) -> int:
+        W, ratio = self.world, self.config.topk_ratio
+        comp = self._compensated(flat, ranges)
+        idx_parts, val_parts, at = [], [], 0
+        for lo, hi in ranges:
+            idx, val = topk_sparsify(comp[at : at + hi - lo], math.ceil(ratio * (hi - lo)))
+            idx_parts.append(idx + at)
+            val_parts.append(val)
+            at += hi - lo
+        idx, val = torch.cat(idx_parts).to(torch.int32), torch.cat(val_parts)
+        if self.config.error_feedback:
+            sent = torch.zeros_like(comp)
+            sent[idx.long()] = val
+            self._worker_fb.update(comp, sent)
+        piece = torch.cat([idx.view(torch.uint8), val.view(torch.uint8)])
+        gathered = self._gather(piece)
+        k = idx.numel()
+        total = torch.zeros_like(comp)
+        for w in range(W):  # rank order; one rank's indices are distinct: deterministic
+            row = gathered[w]
+            total.index_add_(0, row[: 4 * k].view(torch.int32).long(), row[4 * k :].view(val.dtype))
+        if average:
+            total.div_(W)
+        _scatter_back(flat, ranges, total)
+        return (W - 1) * piece.numel()
+
+    # -- state ------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        return {
+            "bits": self._bits,
+            "decided_at": self._decided_at,
+            "numel": self._numel,
+            "generator": None if self._gen is None else self._gen.get_state(),
+            "worker_feedback": self._worker_fb.state_dict(),
+            "owner_feedback": self._owner_fb.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self._numel = state["numel"]
+        if self._numel is not None:
+            sizes = self.sizes if self.sizes and sum(self.sizes) == self._numel else [self._numel]
+            self._ranges = plan_buckets(sizes, self.config) if self._numel else []
+        self._bits, self._decided_at = state["bits"], state["decided_at"]
+        if state["generator"] is not None:
+            self._gen = torch.Generator().manual_seed(0)
+            rng.load_generator_state(self._gen, state["generator"], "comm generator")
+        self._worker_fb.load_state_dict(state["worker_feedback"])
+        self._owner_fb.load_state_dict(state["owner_feedback"])
+
+
+def _scatter_back(flat: torch.Tensor, ranges: list[tuple[int, int]], buf: torch.Tensor) -> None:
+    at = 0
+    for lo, hi in ranges:
+        flat[lo:hi].copy_(buf[at : at + hi - lo])
+        at += hi - lo
+
+
+def _ring_bytes(nbytes: int, world: int) -> int:
+    """Bytes one rank sends in a ring all-reduce of `nbytes`."""
+    return -(-2 * (world - 1) * nbytes // world)
+
+
+def _global_rank(group, rank: int) -> int:
+    if group is None or group is dist.group.WORLD:
+        return rank
+    return dist.get_global_rank(group, rank)
+
+
+class DDPHookState:
+    """State of `quantized_ddp_hook`: one `QuantizedAllReduce` per DDP bucket, a step count.
+
+    ddp.register_comm_hook(DDPHookState(config, seed=seed), quantized_ddp_hook)
+    """
+
+    def __init__(self, config: CommConfig, group: dist.ProcessGroup | None = None, seed: int = 0):
+        self.config, self.group, self.seed = config, group, seed
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.step = 0
+        self.reducers: dict[int, QuantizedAllReduce] = {}
+        self.last_stats: dict[int, CommStats] = {}
+
+
+def quantized_ddp_hook(state: DDPHookState, bucket: dist.GradBucket) -> torch.futures.Future:
+    """A DDP communication hook: the bucket's mean gradient through `QuantizedAllReduce`.
+
+    Runs synchronously inside backward and returns a completed future (DDP copies the result
+    back into the parameters' gradients). Steps count the buckets marked last.
+    """
+    buf = bucket.buffer()
+    reducer = state.reducers.get(bucket.index())
+    if reducer is None:
+        seed = rng.seed_for(state.seed, "comm-ddp-bucket", bucket.index())
+        reducer = QuantizedAllReduce(state.config, state.group, state.rank, state.world, seed)
+        state.reducers[bucket.index()] = reducer
+    state.last_stats[bucket.index()] = reducer.allreduce_(buf, state.step, average=True)
+    if bucket.is_last():
+        state.step += 1
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(buf)
+    return fut
+
+
+# DDP checks the hook's annotations as objects; `from __future__ import annotations` made them
+# strings, so give it the evaluated ones
+quantized_ddp_hook.__annotations__ = {
+    "state": DDPHookState,
+    "bucket": dist.GradBucket,
+    "return": torch.futures.Future[torch.Tensor],
+}
