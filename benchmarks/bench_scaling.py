@@ -35,11 +35,13 @@ CONFIGS = [("local", 1, 1, 1), ("local", 1, 1, 2), ("ray", 1, 1, 1), ("ray", 2, 
 
 
 def config(args, backend: str, shards: int, trainers: int, threads: int) -> RunConfig:
+    tolerance = None if args.rebalance_tolerance == "none" else float(args.rebalance_tolerance)
     return RunConfig.from_dict({
         "model": {"name": "tgn"},
         "data": {"dataset": args.dataset, "max_events": args.max_events},
         "train": {"batch_size": args.batch_size},
-        "cluster": {"backend": backend, "shards": shards, "trainers": trainers},
+        "cluster": {"backend": backend, "shards": shards, "trainers": trainers,
+                    "rebalance_tolerance": tolerance},
         "progress": False, "out_dir": None, "threads": threads, "run_name": "bench-scaling",
     })  # fmt: skip
 
@@ -54,16 +56,21 @@ def measure(args, stream, backend, shards, trainers, threads) -> dict:
         warm = min(args.warmup, val_start // 2)
         learner.train_pass(0, warm, "warm-up")
         learner.group.take_seconds()
+        learner.group.take_step_edges()
         t0 = time.perf_counter()
         learner.train_pass(warm, val_start, "timed")
         wall = time.perf_counter() - t0
         seconds = learner.group.take_seconds()
+        edges = learner.group.take_step_edges()
     finally:
         learner.group.shutdown()
     steps = -(-(val_start - warm) // args.batch_size)
     split = {p: statistics.mean(s.get(p, 0.0) for s in seconds) / steps * 1e3 for p in PHASES}
     split["other"] = wall / steps * 1e3 - sum(split.values())
-    return {"events_per_s": (val_start - warm) / wall, "ms_per_step": split, "steps": steps}
+    # per step, the busiest trainer's sampled edges over the mean (1.0: balanced)
+    skew = statistics.mean(max(e) / statistics.mean(e) for e in zip(*edges, strict=True))
+    return {"events_per_s": (val_start - warm) / wall, "ms_per_step": split, "steps": steps,
+            "edge_skew": skew}  # fmt: skip
 
 
 def main() -> None:
@@ -73,6 +80,11 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=200)
     p.add_argument("--warmup", type=int, default=2000)
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument(
+        "--rebalance-tolerance",
+        default="0.1",
+        help="cluster.rebalance_tolerance ('none': always even slices)",
+    )
     p.add_argument(
         "--configs",
         default=None,
@@ -99,7 +111,7 @@ def main() -> None:
     base1 = statistics.median(r["events_per_s"] for r in rows[("local", 1, 1, 1)])
     base2 = statistics.median(r["events_per_s"] for r in rows[("local", 1, 1, 2)])
     print(f"{machine()}; {args.dataset} {args.max_events} events, TGN, batch {args.batch_size}")
-    head = ["backend", "P", "W", "thr", "ev/s", "x 1-thr", "x 2-thr", *PHASES, "other"]
+    head = ["backend", "P", "W", "thr", "ev/s", "x 1-thr", "x 2-thr", *PHASES, "other", "skew"]
     print(" ".join(f"{h:>9}" for h in head))
     out = []
     for c, runs in rows.items():
@@ -107,12 +119,15 @@ def main() -> None:
         rate = statistics.median(r["events_per_s"] for r in runs)
         ms = best["ms_per_step"]
         cells = [c[0], c[1], c[2], c[3], f"{rate:.0f}", f"{rate / base1:.2f}",
-                 f"{rate / base2:.2f}", *(f"{ms[k]:.2f}" for k in (*PHASES, "other"))]  # fmt: skip
+                 f"{rate / base2:.2f}", *(f"{ms[k]:.2f}" for k in (*PHASES, "other")),
+                 f"{best['edge_skew']:.3f}"]  # fmt: skip
         print(" ".join(f"{x:>9}" for x in cells))
         out.append({"backend": c[0], "shards": c[1], "trainers": c[2], "threads": c[3],
                     "events_per_s": rate, "vs_1_thread": rate / base1,
-                    "vs_2_threads": rate / base2, "ms_per_step": ms})  # fmt: skip
-    write_json(f"scaling_{args.dataset}_{args.max_events}.json", {"args": vars(args), "rows": out})
+                    "vs_2_threads": rate / base2, "ms_per_step": ms,
+                    "edge_skew": best["edge_skew"]})  # fmt: skip
+    name = f"scaling_{args.dataset}_{args.max_events}_rebalance-{args.rebalance_tolerance}.json"
+    write_json(name, {"args": vars(args), "rows": out})
 
 
 if __name__ == "__main__":

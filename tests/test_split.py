@@ -153,14 +153,15 @@ def stream20k():
 
 
 def run_20k(
-    model: str, shards: int, trainers: int, stream, dtype=torch.float32, memory="replicated"
-):
+    model: str, shards: int, trainers: int, stream, dtype=torch.float32, memory="replicated",
+    **cluster,
+):  # fmt: skip
     set_determinism(7, threads=1)
     over = {
         "data": {"max_events": 20000},
         "train": {"batch_size": 200, "epochs": 1},
         "continual": {"num_increments": 5, "train_fraction": 0.5, "forget_sample": 200},
-        "cluster": {"shards": shards, "trainers": trainers, "memory": memory},
+        "cluster": {"shards": shards, "trainers": trainers, "memory": memory, **cluster},
     }
     learner = ContinualLearner(config(model, shards, trainers, **over), stream)
     if dtype != torch.float32:
@@ -197,6 +198,19 @@ def test_phase1_and_an_increment_match_across_shards_and_trainers(model, stream2
     for shards, trainers in ((2, 2), (3, 4)):
         run = run_20k(model, shards, trainers, stream20k, float64)
         assert_same_run(ref, run, (shards, trainers), 1e-9)
+
+
+def test_slices_cut_by_sampled_edges_give_what_even_slices_give(stream20k, float64):
+    """Rebalancing moves work between trainers, not results: with tolerance 0 (cut by the
+    estimate whenever even slices differ at all) W = 3 equals W = 3 with even slices and
+    W = 1, to float64 summation order."""
+    ref = run_20k("tgn", 1, 1, stream20k, float64)
+    even = run_20k("tgn", 2, 3, stream20k, float64, rebalance_tolerance=None)
+    cut = run_20k("tgn", 2, 3, stream20k, float64, rebalance_tolerance=0.0)
+    assert even.group.balancer.rebalanced == 0
+    assert cut.group.balancer.rebalanced > 0.9 * cut.cursor.step
+    assert_same_run(ref, cut, "rebalanced", 1e-9)
+    assert_same_run(even, cut, "even vs rebalanced", 1e-9)
 
 
 def test_phase1_and_an_increment_in_float32(stream20k):

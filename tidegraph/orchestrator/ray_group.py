@@ -32,8 +32,9 @@ from tidegraph.actors import CoordinatorActor, GraphShardActor, TrainerActor
 from tidegraph.rng import load_generator_state, seed_for, stream
 from tidegraph.storage.events import EventBatch
 from tidegraph.storage.partition import build_partitioner, partition_report
+from tidegraph.training.balance import SliceBalancer
 from tidegraph.training.group import check_placement, choose_memory_placement, state_row_bytes
-from tidegraph.training.schedule import slice_bounds, train_slices
+from tidegraph.training.schedule import train_slices
 
 __all__ = ["RayGroup", "PlacementTimeout"]
 
@@ -100,6 +101,7 @@ class RayGroup:
         self.namespace = config.run_name or "tidegraph"
         self.partitioner = build_partitioner(c.partitioner, c.shards)
         self.feature_gen = stream(config.seed, "features")  # stored-feature rounding
+        self.balancer = SliceBalancer(config.sampler.fanouts, c.rebalance_tolerance)
         row_bytes = state_row_bytes(config, edge_dim)
         expected = num_nodes if expected_nodes is None else expected_nodes
         self.memory_placement = choose_memory_placement(c, expected, row_bytes)
@@ -205,6 +207,7 @@ class RayGroup:
         self.drain()  # steps under way read the shards: they finish before shards change
         precision = self.config.data.feature_precision
         pieces = route_batch(self.partitioner, events, precision, self.feature_gen)
+        self.balancer.ingest(events)
         ray.get([s.ingest.remote(piece) for s, piece in zip(self.shards, pieces, strict=True)])
         if len(events):
             self.num_rows = max(self.num_rows, int(events.eid.max()) + 1)
@@ -225,7 +228,8 @@ class RayGroup:
     ) -> float:
         losses, updates = [], []
         before = self._take_pending()
-        slices = train_slices(ev, weight, neg_BQ, num_observe, self.num_trainers)
+        bounds = self.balancer.bounds(ev, neg_BQ, self.num_trainers)
+        slices = train_slices(ev, weight, neg_BQ, num_observe, self.num_trainers, bounds)
         for trainer, args in zip(self.trainers, slices, strict=True):
             loss, upd = trainer.train_and_step.options(num_returns=2).remote(*_own(args), *before)
             losses.append(loss)
@@ -251,8 +255,10 @@ class RayGroup:
         self.drain()
         before = self._take_pending()
         per_trainer = [[] for _ in self.trainers]
-        for batch in batches:
-            for w, args in enumerate(train_slices(*batch, self.num_trainers)):
+        for ev, weight, neg, num_observe in batches:
+            bounds = self.balancer.bounds(ev, neg, self.num_trainers)
+            slices = train_slices(ev, weight, neg, num_observe, self.num_trainers, bounds)
+            for w, args in enumerate(slices):
                 per_trainer[w].append(_own(args))
         refs = [t.train_pass.remote(s, *before) for t, s in zip(self.trainers, per_trainer,
                                                                  strict=True)]  # fmt: skip
@@ -265,7 +271,7 @@ class RayGroup:
         before = self._take_pending()
         per_trainer = [[] for _ in self.trainers]
         for ev, neg in batches:
-            for w, (lo, hi) in enumerate(slice_bounds(len(ev), self.num_trainers)):
+            for w, (lo, hi) in enumerate(self.balancer.bounds(ev, neg, self.num_trainers)):
                 per_trainer[w].append(_own((ev.select(slice(lo, hi)), neg[lo:hi])))
         outs = ray.get([t.eval_pass.remote(s, observe, *before) for t, s in zip(
             self.trainers, per_trainer, strict=True)])  # fmt: skip
@@ -280,12 +286,12 @@ class RayGroup:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         outs = []
         before = self._take_pending()
-        if before and any(hi == lo for lo, hi in slice_bounds(len(ev), self.num_trainers)):
+        bounds = self.balancer.bounds(ev, neg_BQ, self.num_trainers)
+        if before and any(hi == lo for lo, hi in bounds):
             self._pending = before  # a trainer without a slice gets them on their own
             self._flush()
             before = []
-        for trainer, (lo, hi) in zip(self.trainers, slice_bounds(len(ev), self.num_trainers),
-                                     strict=True):  # fmt: skip
+        for trainer, (lo, hi) in zip(self.trainers, bounds, strict=True):
             if hi == lo:
                 continue
             args = _own((ev.select(slice(lo, hi)), neg_BQ[lo:hi]))
@@ -376,6 +382,9 @@ class RayGroup:
     def take_seconds(self) -> list[dict]:
         return self._all("take_seconds")
 
+    def take_step_edges(self) -> list[list[int]]:
+        return self._all("take_step_edges")
+
     def model_state(self) -> dict:
         self._flush()
         return ray.get(self.trainers[0].model_state.remote())
@@ -401,6 +410,7 @@ class RayGroup:
             "memory_placement": self.memory_placement,
             "partitioner": self.partitioner.state_dict(),
             "feature_gen": self.feature_gen.get_state(),
+            "balancer": self.balancer.state_dict(),
             "shards": ray.get([s.state_dict.remote() for s in self.shards]),
             "trainers": self._all("state_dict"),
         }
@@ -411,6 +421,7 @@ class RayGroup:
         check_placement(state, self.memory_placement)
         self.partitioner.load_state_dict(state["partitioner"])
         load_generator_state(self.feature_gen, state["feature_gen"], "feature rounding")
+        self.balancer.load_state_dict(state["balancer"])
         ray.get([s.load_state_dict.remote(x) for s, x in zip(self.shards, state["shards"],
                                                              strict=True)])  # fmt: skip
         ray.get([t.call.remote("load_state_dict", x) for t, x in zip(self.trainers,

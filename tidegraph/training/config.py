@@ -180,6 +180,9 @@ class ClusterConfig:
     # trainers run a whole training or evaluation pass per task, exchanging each step's
     # node-state updates among themselves (replicated node state); False: a task per step
     whole_passes: bool = True
+    # cut a step's batch at equal estimated sampled edges when even slices' estimates differ
+    # by more than this (heaviest over mean, minus 1); None: always even slices
+    rebalance_tolerance: float | None = 0.1
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -198,6 +201,10 @@ class ClusterConfig:
             )
         if not self.memory_budget_mb > 0:
             raise ValueError(f"cluster.memory_budget_mb must be > 0, got {self.memory_budget_mb}")
+        if self.rebalance_tolerance is not None and not self.rebalance_tolerance >= 0:
+            raise ValueError(
+                f"cluster.rebalance_tolerance must be >= 0 or null, got {self.rebalance_tolerance}"
+            )
         for name in ("trainer_cpus", "shard_cpus", "collective_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"cluster.{name} must be > 0, got {getattr(self, name)}")

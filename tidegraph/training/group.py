@@ -2,8 +2,9 @@
 
 The in-process backend of the distributed semantics (DESIGN.md, "Distributed semantics"); the
 Ray backend drives the same cores through actors. Per global step of B events:
-- the batch is cut into W contiguous slices (`slice_bounds`); negatives were drawn for the whole
-  batch by the caller, so they do not depend on W;
+- the batch is cut into W contiguous slices (even, or at equal estimated sampled edges when
+  even ones are skewed: `SliceBalancer`); negatives were drawn for the whole batch by the
+  caller, so they do not depend on W;
 - every trainer trains its slice against node state S(s-1) and returns its gradient (its share
   of the global-batch mean) and its node-state updates;
 - the gradients are summed (the in-process all-reduce; one trainer's is used as it is, so
@@ -25,8 +26,9 @@ from tidegraph.rng import load_generator_state, seed_for, stream
 from tidegraph.sampling.multihop import MultiHopSampler
 from tidegraph.storage.events import EventBatch
 from tidegraph.storage.partition import build_partitioner, partition_report
+from tidegraph.training.balance import SliceBalancer
 from tidegraph.training.fetch import ShardedFeatureStore
-from tidegraph.training.schedule import slice_bounds, train_slices
+from tidegraph.training.schedule import train_slices
 from tidegraph.training.shard import ShardCore, route_batch
 from tidegraph.training.state import ShardedStateSource
 from tidegraph.training.trainer import TrainerCore
@@ -74,6 +76,7 @@ class LocalGroup:
         self.partitioner = build_partitioner(c.partitioner, c.shards)
         # stochastic rounding of stored features (int8, bf16): one stream, whatever P
         self.feature_gen = stream(config.seed, "features")
+        self.balancer = SliceBalancer(config.sampler.fanouts, c.rebalance_tolerance)
         snaps = s.num_snapshots
         row_bytes = state_row_bytes(config, edge_dim)
         expected = num_nodes if expected_nodes is None else expected_nodes
@@ -109,6 +112,7 @@ class LocalGroup:
         """Route events to their shards (both endpoints' owners), grow trainers' node tables."""
         precision = self.config.data.feature_precision
         pieces = route_batch(self.partitioner, events, precision, self.feature_gen)
+        self.balancer.ingest(events)
         for shard, piece in zip(self.shards, pieces, strict=True):
             shard.ingest(piece)
         top = int(events.eid.max()) + 1 if len(events) else 0
@@ -125,7 +129,8 @@ class LocalGroup:
         """One global step over `ev` (its first `num_observe` events are recorded); returns
         the batch's mean loss."""
         results = []
-        slices = train_slices(ev, weight, neg_BQ, num_observe, self.num_trainers)
+        bounds = self.balancer.bounds(ev, neg_BQ, self.num_trainers)
+        slices = train_slices(ev, weight, neg_BQ, num_observe, self.num_trainers, bounds)
         for trainer, args in zip(self.trainers, slices, strict=True):
             if len(args[0]):
                 results.append(trainer.train_slice(*args))
@@ -145,9 +150,8 @@ class LocalGroup:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Scores of every slice, concatenated; with `observe`, records `ev` in node state."""
         pos, neg, updates = [], [], []
-        for trainer, (lo, hi) in zip(
-            self.trainers, slice_bounds(len(ev), self.num_trainers), strict=True
-        ):
+        bounds = self.balancer.bounds(ev, neg_BQ, self.num_trainers)
+        for trainer, (lo, hi) in zip(self.trainers, bounds, strict=True):
             if hi == lo:
                 continue
             p, n, u = trainer.eval_slice(ev.select(slice(lo, hi)), neg_BQ[lo:hi], observe)
@@ -212,6 +216,10 @@ class LocalGroup:
         """Each trainer's seconds per step phase since the last call."""
         return [t.take_seconds() for t in self.trainers]
 
+    def take_step_edges(self) -> list[list[int]]:
+        """Each trainer's sampled edges per training slice since the last call."""
+        return [t.take_step_edges() for t in self.trainers]
+
     def model_state(self) -> dict:
         """Replica 0's model state (parameters, and node state when replicated)."""
         return self.trainers[0].model_state()
@@ -237,6 +245,7 @@ class LocalGroup:
             "memory_placement": self.memory_placement,
             "partitioner": self.partitioner.state_dict(),
             "feature_gen": self.feature_gen.get_state(),
+            "balancer": self.balancer.state_dict(),
             "shards": [s.state_dict() for s in self.shards],
             "trainers": [t.state_dict() for t in self.trainers],
         }
@@ -245,6 +254,7 @@ class LocalGroup:
         check_placement(state, self.memory_placement)
         self.partitioner.load_state_dict(state["partitioner"])
         load_generator_state(self.feature_gen, state["feature_gen"], "feature rounding")
+        self.balancer.load_state_dict(state["balancer"])
         for shard, s in zip(self.shards, state["shards"], strict=True):
             shard.load_state_dict(s)
         for trainer, s in zip(self.trainers, state["trainers"], strict=True):

@@ -155,12 +155,15 @@ def batch_bounds(start: int, end: int, batch_size: int) -> list[tuple[int, int]]
     return [(lo, min(lo + batch_size, end)) for lo in range(start, end, batch_size)]
 
 
-def train_slices(ev, weight, neg_BQ, num_observe: int, trainers: int) -> list[tuple]:
+def train_slices(
+    ev, weight, neg_BQ, num_observe: int, trainers: int, bounds: list | None = None
+) -> list[tuple]:
     """Per trainer, the arguments of its share of one training step: (events, weights,
     negatives, how many of its events are new, the global batch size). The first
-    `num_observe` events of the batch are new, so a slice records those it holds."""
+    `num_observe` events of the batch are new, so a slice records those it holds. `bounds`:
+    the slices' [lo, hi) (default: even)."""
     out = []
-    for lo, hi in slice_bounds(len(ev), trainers):
+    for lo, hi in bounds or slice_bounds(len(ev), trainers):
         w = None if weight is None else weight[lo:hi]
         n_obs = max(0, min(hi, num_observe) - lo)
         out.append((ev.select(slice(lo, hi)), w, neg_BQ[lo:hi], n_obs, len(ev)))

@@ -15,6 +15,7 @@ Node state is read-only during a step: each slice reads what the previous step l
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from collections import defaultdict
@@ -26,7 +27,7 @@ from tidegraph.models.base import TemporalModel, link_roots
 from tidegraph.models.config import build_model
 from tidegraph.storage.cache import CachedFeatureStore
 from tidegraph.storage.events import EventBatch
-from tidegraph.training.fetch import join_edge_features
+from tidegraph.training.fetch import flat_blocks, join_edge_features
 from tidegraph.training.optim import FlatAdam
 
 __all__ = ["SliceResult", "TrainerCore"]
@@ -82,6 +83,9 @@ class TrainerCore:
         # (forward, backward), allreduce, optimizer, apply (node-state updates), exchange
         # (trainers swapping node-state updates among themselves)
         self.seconds: dict[str, float] = defaultdict(float)
+        # edges sampled by each training step's slice (the last ones; for balance reports)
+        self.step_edges: collections.deque[int] = collections.deque(maxlen=100_000)
+        self._sampled_edges = 0
 
     # ---- parameters -------------------------------------------------------------------------
 
@@ -108,6 +112,7 @@ class TrainerCore:
         t0 = time.perf_counter()
         roots, ts = link_roots(ev.src, ev.dst, neg_BQ, ev.t)
         blocks = self.sampler.sample(roots, ts)
+        self._sampled_edges = sum(int(b.mask.sum()) for b in flat_blocks(blocks))
         blocks = _blocks_to(blocks, self.device)
         t1 = time.perf_counter()
         observe = join_edge_features(self.edge_cache, blocks, observe)
@@ -138,6 +143,7 @@ class TrainerCore:
             self.model.train()
         observe = ev.select(slice(0, num_observe)) if num_observe else None
         (pos, negl), observe = self._forward(ev, neg_BQ, observe)
+        self.step_edges.append(self._sampled_edges)
         loss_e = F.binary_cross_entropy_with_logits(pos, torch.ones_like(pos), reduction="none")
         loss_e = loss_e + F.binary_cross_entropy_with_logits(
             negl, torch.zeros_like(negl), reduction="none"
@@ -251,6 +257,12 @@ class TrainerCore:
     def take_seconds(self) -> dict[str, float]:
         """Seconds per step phase since the last call (and start counting anew)."""
         out, self.seconds = dict(self.seconds), defaultdict(float)
+        return out
+
+    def take_step_edges(self) -> list[int]:
+        """Sampled edges of each training slice since the last call."""
+        out = list(self.step_edges)
+        self.step_edges.clear()
         return out
 
     def reset_state(self) -> None:
