@@ -9,6 +9,7 @@ ranks, adaptive bits, top-k, warm-up and small buckets exact, error feedback, a 
 
 from __future__ import annotations
 
+import copy
 import datetime
 import io
 import traceback
@@ -169,12 +170,50 @@ def _train_curve(rank, world):
     return curves
 
 
+def _non_finite(rank, world):
+    """A nan in the last rank's gradient: every rank raises, no rank's buffer changes."""
+    out = {}
+    for name in ("q4", "topk"):
+        flat = _grad(rank)
+        if rank == world - 1:
+            flat[12_345] = float("nan")
+        before = flat.clone()
+        try:
+            _reduce(rank, world, _cfg(compression=name, min_bucket_bytes=1024,
+                                      bucket_bytes=40_000), flat, sizes=SIZES)  # fmt: skip
+            out[name] = None
+        except ValueError as e:
+            same = (flat == before) | (flat.isnan() & before.isnan())
+            out[name] = (str(e), bool(same.all()))
+    return out
+
+
+def _resume(rank, world):
+    """A reducer rebuilt from another's state_dict continues it bitwise (feedback, bits, rng)."""
+    cfg = _cfg(compression="adaptive", error_feedback=True, adaptive_every=2,
+               bucket_bytes=40_000, min_bucket_bytes=1024)  # fmt: skip
+    first = QuantizedAllReduce(cfg, None, rank, world, seed=5, sizes=SIZES)
+    for step in range(3):
+        first.allreduce_(_grad(rank, step), step)
+    second = QuantizedAllReduce(cfg, None, rank, world, seed=5, sizes=SIZES)
+    second.load_state_dict(copy.deepcopy(first.state_dict()))
+    same = True
+    for step in (3, 4):  # 4: bits decided again
+        a, b = _grad(rank, step), _grad(rank, step)
+        first.allreduce_(a, step)
+        second.allreduce_(b, step)
+        same = same and torch.equal(a, b)
+    return same
+
+
 SCENARIOS = {
     "fixed": (_fixed_bits, (2, 3)),
     "warmup": (_warmup_and_small_buckets, (2, 3)),
     "adaptive": (_adaptive, (2, 3)),
     "topk": (_topk, (2, 3)),
     "ef": (_error_feedback, (2,)),
+    "nonfinite": (_non_finite, (2, 3)),
+    "resume": (_resume, (2,)),
     "ddp": (_ddp, (2,)),
     "train": (_train_curve, (2,)),
 }
@@ -261,8 +300,9 @@ def test_bytes_sent_are_the_codes_and_chunk_metadata_of_two_exchanges(group):
         _, bucket_bits, sent, fp32 = res[0]["fixed"][bits]
         assert bucket_bits == (bits,)
         assert fp32 == -(-2 * (world - 1) * 4 * N // world)
-        # all-to-all and all-gather: W - 1 segments each, codes plus (min, scale) per chunk
-        assert sent == 2 * (world - 1) * (seg * bits // 8 + 8 * seg // CHUNK)
+        # all-to-all and all-gather: W - 1 segments each, codes plus (min, scale) per chunk,
+        # and one flag byte (a rank whose input cannot be encoded says so)
+        assert sent == 2 * (world - 1) * (seg * bits // 8 + 8 * seg // CHUNK + 1)
     # the issue's targets at the default chunk of 256 values, even with this small tensor
     assert res[0]["fixed"]["ratio8"] <= 0.27 and res[0]["fixed"]["ratio4"] <= 0.14
 
@@ -303,10 +343,19 @@ def test_topk_sends_each_ranks_largest_values_and_feedback_sends_the_rest_later(
         expected.index_add_(0, idx, g[idx])
     assert torch.allclose(first[0], expected, atol=1e-6)
     _, bits, sent, _ = res[0]["topk"]
-    assert bits == (0,) and sent == (world - 1) * k * 8
+    assert bits == (0,) and sent == (world - 1) * (k * 8 + 1)  # int32 index, fp32 value; flag
     # step 2's input carries step 1's residual: values never sent at step 1 can go out now
     second_support = res[0]["topk"][3] != 0
     assert (second_support & (expected == 0)).any()
+
+
+def test_a_nan_on_one_rank_raises_on_every_rank_and_changes_no_buffer(group):
+    world, res = group
+    for r in range(world):
+        for name in ("q4", "topk"):
+            message, unchanged = res[r]["nonfinite"][name]
+            assert f"rank {world - 1}'s gradient holds inf or nan" in message
+            assert unchanged
 
 
 def test_error_feedback_keeps_the_cumulative_error_bounded(group):
@@ -318,6 +367,13 @@ def test_error_feedback_keeps_the_cumulative_error_bounded(group):
     fed = (res[0]["ef"][True] - target).norm()
     assert fed < 0.5 * plain
     assert _all_equal([res[r]["ef"][True] for r in range(world)])
+
+
+def test_a_reducer_restored_from_its_state_dict_continues_bitwise(group):
+    world, res = group
+    if world != 2:
+        pytest.skip("run at W = 2 only")
+    assert all(res[r]["resume"] for r in range(world))
 
 
 def test_ddp_hook_gives_identical_mean_gradients_close_to_the_exact_ones(group):

@@ -54,6 +54,7 @@ from tidegraph.comm.quantize import (
     _pad_to,
     dequantize_chunks,
     quantize_chunks,
+    topk_densify,
     topk_sparsify,
 )
 
@@ -284,19 +285,20 @@ class QuantizedAllReduce:
         ]
         picked_set = set(chosen)
         exact = [r for i, r in enumerate(ranges) if i not in picked_set]
-        stats.bytes_sent += self._exact(flat, exact, average)
         bits = [EXACT_BITS] * len(ranges)
         if chosen:
             picked = [ranges[i] for i in chosen]
             if cfg.compression == "topk":
-                stats.bytes_sent += self._topk(flat, picked, average)
+                stats.bytes_sent += self._topk(flat, picked, average, step)
                 codes = [TOPK_BITS] * len(chosen)
             else:
                 codes, decided, sent = self._bits_for(flat, picked, step)
                 stats.decided = decided
-                stats.bytes_sent += sent + self._quantized(flat, picked, codes, average)
+                stats.bytes_sent += sent + self._quantized(flat, picked, codes, average, step)
             for i, b in zip(chosen, codes, strict=True):
                 bits[i] = b
+        # exact buckets last: a compressed exchange that raises leaves `flat` as it was
+        stats.bytes_sent += self._exact(flat, exact, average)
         stats.bits = tuple(bits)
         return stats
 
@@ -365,7 +367,7 @@ class QuantizedAllReduce:
         x = torch.cat([flat[lo:hi] for lo, hi in ranges]).float()
         return self._worker_fb.compensate(x) if self.config.error_feedback else x
 
-    def _quantized(self, flat, ranges, bits: list[int], average: bool) -> int:
+    def _quantized(self, flat, ranges, bits: list[int], average: bool, step: int) -> int:
         cfg, W, S = self.config, self.world, self.config.chunk_size
         gen = self._generator(flat.device)
         comp = self._compensated(flat, ranges)
@@ -373,49 +375,63 @@ class QuantizedAllReduce:
         for lo, hi in ranges:
             buckets.append(_Bucket(lo, hi, at, -(-(hi - lo) // (W * S)) * S))
             at += hi - lo
-        send = torch.cat(
-            [
-                _encode(_pad_to(comp[b.at : b.at + b.n], W * b.seg).reshape(-1, S), W, bb, gen)
-                for b, bb in zip(buckets, bits, strict=True)
-            ],
-            dim=1,
-        )
         widths = [_row_bytes(b.seg, S, bb) for b, bb in zip(buckets, bits, strict=True)]
         offsets = _starts(widths)
-        if cfg.error_feedback:  # what this rank's codes decode to
-            mine = [
-                _decode(send[:, o : o + w], b.seg, S, bb).reshape(-1)[: b.n]
-                for b, bb, o, w in zip(buckets, bits, offsets, widths, strict=True)
-            ]
-            self._worker_fb.update(comp, torch.cat(mine))
+        send, flag = _guarded(
+            lambda: torch.cat(
+                [
+                    _encode(_pad_to(comp[b.at : b.at + b.n], W * b.seg).reshape(-1, S), W, bb, gen)
+                    for b, bb in zip(buckets, bits, strict=True)
+                ],
+                dim=1,
+            ),
+            (W, sum(widths)),
+            _rank_flag(self.rank),
+            flat.device,
+        )
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=self.group)
         # owner: sum the W decoded contributions in fp32, in rank order
-        owned = torch.cat(
-            [
-                _decode(recv[:, o : o + w], b.seg, S, bb).sum(dim=0)
-                for b, bb, o, w in zip(buckets, bits, offsets, widths, strict=True)
-            ]
-        )
-        if average:
-            owned.div_(W)
-        if cfg.error_feedback:
-            owned = self._owner_fb.compensate(owned)
+        flag = int(recv[:, -1].max())  # a rank that could not encode says so in its rows
+        owned = torch.zeros(sum(b.seg for b in buckets), device=flat.device)
+        if not flag:
+            owned = torch.cat(
+                [
+                    _decode(recv[:, o : o + w], b.seg, S, bb).sum(dim=0)
+                    for b, bb, o, w in zip(buckets, bits, offsets, widths, strict=True)
+                ]
+            )
+            if average:
+                owned.div_(W)
+            if cfg.error_feedback:
+                owned = self._owner_fb.compensate(owned)
         seg_at = _starts([b.seg for b in buckets])
-        piece = torch.cat(
-            [
-                _encode(owned[a : a + b.seg].reshape(-1, S), 1, bb, gen)
-                for b, bb, a in zip(buckets, bits, seg_at, strict=True)
-            ],
-            dim=1,
-        ).reshape(-1)
-        gathered = self._gather(piece)
+        piece, flag = _guarded(
+            lambda: torch.cat(
+                [
+                    _encode(owned[a : a + b.seg].reshape(-1, S), 1, bb, gen)
+                    for b, bb, a in zip(buckets, bits, seg_at, strict=True)
+                ],
+                dim=1,
+            ),
+            (1, sum(widths)),
+            flag or _OWNER_FLAG,
+            flat.device,
+            failed=bool(flag),
+        )
+        gathered = self._gather(piece.reshape(-1))
+        _raise_flagged(gathered[:, -1], step)
         decoded_own = []
         for b, bb, o, w in zip(buckets, bits, offsets, widths, strict=True):
             values = _decode(gathered[:, o : o + w], b.seg, S, bb)
             decoded_own.append(values[self.rank])
             flat[b.lo : b.hi].copy_(values.reshape(-1)[: b.n])
-        if cfg.error_feedback:  # what the owner's second encoding dropped
+        if cfg.error_feedback:  # what each of the two encodings dropped
+            mine = [
+                _decode(send[:, o : o + w], b.seg, S, bb).reshape(-1)[: b.n]
+                for b, bb, o, w in zip(buckets, bits, offsets, widths, strict=True)
+            ]
+            self._worker_fb.update(comp, torch.cat(mine))
             self._owner_fb.update(owned, torch.cat(decoded_own))
         return 2 * (W - 1) * piece.numel()
 
@@ -425,27 +441,32 @@ class QuantizedAllReduce:
         _all_gather(out, piece, group=self.group)
         return out.reshape(self.world, piece.numel())
 
-    def _topk(self, flat, ranges, average: bool) -> int:
+    def _topk(self, flat, ranges, average: bool, step: int) -> int:
         W, ratio = self.world, self.config.topk_ratio
         comp = self._compensated(flat, ranges)
-        idx_parts, val_parts, at = [], [], 0
-        for lo, hi in ranges:
-            idx, val = topk_sparsify(comp[at : at + hi - lo], math.ceil(ratio * (hi - lo)))
-            idx_parts.append(idx + at)
-            val_parts.append(val)
-            at += hi - lo
-        idx, val = torch.cat(idx_parts).to(torch.int32), torch.cat(val_parts)
-        if self.config.error_feedback:
-            sent = torch.zeros_like(comp)
-            sent[idx.long()] = val
-            self._worker_fb.update(comp, sent)
-        piece = torch.cat([idx.view(torch.uint8), val.view(torch.uint8)])
-        gathered = self._gather(piece)
-        k = idx.numel()
+        ks = [math.ceil(ratio * (hi - lo)) for lo, hi in ranges]
+        starts = _starts([hi - lo for lo, hi in ranges])
+        k = sum(ks)
+
+        def encode() -> torch.Tensor:
+            parts = [topk_sparsify(comp[a : a + hi - lo], kb)
+                     for (lo, hi), a, kb in zip(ranges, starts, ks, strict=True)]  # fmt: skip
+            idx = torch.cat([i + a for (i, _), a in zip(parts, starts, strict=True)])
+            val = torch.cat([v for _, v in parts])
+            return torch.cat([idx.to(torch.int32).view(torch.uint8), val.view(torch.uint8)])[None]
+
+        piece, _ = _guarded(encode, (1, 8 * k), _rank_flag(self.rank), flat.device)
+        gathered = self._gather(piece.reshape(-1))
+        _raise_flagged(gathered[:, -1], step)
+        body = gathered[:, :-1].contiguous()  # rows of 8k bytes: aligned for int32 / fp32 views
         total = torch.zeros_like(comp)
         for w in range(W):  # rank order; one rank's indices are distinct: deterministic
-            row = gathered[w]
-            total.index_add_(0, row[: 4 * k].view(torch.int32).long(), row[4 * k :].view(val.dtype))
+            row = body[w]
+            idx = row[: 4 * k].view(torch.int32).long()
+            total.index_add_(0, idx, row[4 * k : 8 * k].view(torch.float32))
+            if w == self.rank and self.config.error_feedback:
+                self._worker_fb.update(comp, topk_densify(idx, row[4 * k : 8 * k].view(
+                    torch.float32), comp.numel()))  # fmt: skip
         if average:
             total.div_(W)
         _scatter_back(flat, ranges, total)
@@ -474,6 +495,44 @@ class QuantizedAllReduce:
             rng.load_generator_state(self._gen, state["generator"], "comm generator")
         self._worker_fb.load_state_dict(state["worker_feedback"])
         self._owner_fb.load_state_dict(state["owner_feedback"])
+
+
+_OWNER_FLAG = 255  # an owner could not encode its sum (a range beyond fp32)
+
+
+def _rank_flag(rank: int) -> int:
+    return min(rank + 1, _OWNER_FLAG - 1)
+
+
+def _guarded(encode, shape: tuple[int, int], flag: int, device, failed: bool = False):
+    """(`encode()` [rows, bytes] with a last column of 0, 0) or, when it raises ValueError
+    (non-finite input) or `failed`, (zeros with a column of `flag`, `flag`): every rank learns
+    of the failure from the exchange instead of waiting on the rank that stopped."""
+    out = None
+    if not failed:
+        try:
+            out = encode()
+        except ValueError as e:
+            log.error("comm: %s", e)
+    code = 0 if out is not None else flag
+    if out is None:
+        out = torch.zeros(shape, dtype=torch.uint8, device=device)
+    column = torch.full((shape[0], 1), code, dtype=torch.uint8, device=device)
+    return torch.cat([out, column], dim=1), code
+
+
+def _raise_flagged(flags: torch.Tensor, step: int) -> None:
+    worst = int(flags.max())
+    if worst == _OWNER_FLAG:
+        raise ValueError(
+            f"compressed all-reduce, step {step}: a sum of gradients exceeds fp32's range; "
+            "the buffer is unchanged on every rank"
+        )
+    if worst:
+        raise ValueError(
+            f"compressed all-reduce, step {step}: rank {worst - 1}'s gradient holds inf or nan "
+            "and cannot be encoded; the buffer is unchanged on every rank"
+        )
 
 
 def _scatter_back(flat: torch.Tensor, ranges: list[tuple[int, int]], buf: torch.Tensor) -> None:
