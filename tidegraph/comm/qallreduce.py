@@ -333,7 +333,7 @@ class QuantizedAllReduce:
         for k, (lo, hi) in enumerate(ranges):  # one vectorized pass per bucket
             x = flat[lo:hi].float()
             chunks = _pad_to(x, -(-x.numel() // S) * S).reshape(-1, S)
-            lo_c, hi_c = torch.aminmax(chunks, dim=1)
+            lo_c, hi_c = chunks.amin(dim=1), chunks.amax(dim=1)
             stats[k] = ((hi_c - lo_c).double().square() * S).sum()
             stats[-1] += x.double().square().sum()
         dist.all_reduce(stats, group=self.group)
@@ -364,6 +364,11 @@ class QuantizedAllReduce:
         return _ring_bytes(buf.numel() * buf.element_size(), self.world)
 
     def _compensated(self, flat: torch.Tensor, ranges: list[tuple[int, int]]) -> torch.Tensor:
+        """The compressed buckets' values in one fp32 tensor (plus the residual, with error
+        feedback); a view of `flat` when they are adjacent and need nothing added."""
+        adjacent = all(a[1] == b[0] for a, b in zip(ranges[:-1], ranges[1:], strict=True))
+        if adjacent and flat.dtype == torch.float32 and not self.config.error_feedback:
+            return flat[ranges[0][0] : ranges[-1][1]]  # read only: encoded before any write
         x = torch.cat([flat[lo:hi] for lo, hi in ranges]).float()
         return self._worker_fb.compensate(x) if self.config.error_feedback else x
 
