@@ -22,7 +22,9 @@ have something to decide); every rank draws its own. Adaptive bits decide on the
 
     python benchmarks/bench_allreduce.py                 # all parts, 1M and 8M floats
     python benchmarks/bench_allreduce.py --no-netns --sizes 1000000
-JSON goes to benchmarks/out/allreduce.json.
+    python benchmarks/bench_allreduce.py --sizes 100000000 --worlds --rates 1gbit --reps 1 \
+        --compressions none q8 q4 --no-codec --no-buckets --out allreduce_100m.json
+JSON goes to benchmarks/out/allreduce.json (or --out).
 """
 
 from __future__ import annotations
@@ -144,6 +146,8 @@ def worker(args) -> None:
         for n in args.sizes:
             x = _input(n, rank)
             for name, extra in COMPRESSIONS:
+                if name not in args.compressions:
+                    continue
                 cfg = CommConfig(compression=name, warmup_steps=0, **extra)
                 red = QuantizedAllReduce(cfg, None, rank, world, seed=0)
                 stats = []
@@ -217,15 +221,24 @@ def _message_latency(rank: int, world: int, args) -> float:
 # -- launching ranks -------------------------------------------------------------------------
 
 
-def _run_ranks(world: int, sizes: list[int], reps: int, netns: bool, buckets: bool,
-               link_gbps: float, timeout_s: float) -> list[dict]:  # fmt: skip
+def _run_ranks(
+    world: int,
+    sizes: list[int],
+    reps: int,
+    netns: bool,
+    buckets: bool,
+    link_gbps: float,
+    timeout_s: float,
+    compressions: list[str],
+) -> list[dict]:
     port = 29614 if netns else _free_port()
     master = ADDR[0] if netns else "127.0.0.1"
     procs = []
     for rank in range(world):
         cmd = [sys.executable, __file__, "--worker", "--rank", str(rank), "--world", str(world),
                "--master", master, "--port", str(port), "--reps", str(reps),
-               "--link-gbps", str(link_gbps), "--sizes", *map(str, sizes)]  # fmt: skip
+               "--link-gbps", str(link_gbps), "--sizes", *map(str, sizes),
+               "--compressions", *compressions]  # fmt: skip
         if buckets:
             cmd.append("--buckets")
         if netns:
@@ -289,7 +302,10 @@ def _drop_link() -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=[1_000_000, 8_000_000])
-    ap.add_argument("--worlds", type=int, nargs="+", default=[2, 3])
+    ap.add_argument("--worlds", type=int, nargs="*", default=[2, 3])
+    ap.add_argument("--compressions", nargs="+", default=sorted({n for n, _ in COMPRESSIONS}))
+    ap.add_argument("--no-buckets", action="store_true", help="skip per-bucket messages")
+    ap.add_argument("--out", default="allreduce.json")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--rates", nargs="*", default=["1gbit", "100mbit"])
     ap.add_argument("--no-netns", action="store_true")
@@ -313,8 +329,9 @@ def main() -> None:
         print_table(payload["codec"])
     payload["loopback"] = []
     for world in args.worlds:
-        payload["loopback"] += _run_ranks(world, args.sizes, args.reps, False, world == 2,
-                                          10.0, 900)  # fmt: skip
+        payload["loopback"] += _run_ranks(world, args.sizes, args.reps, False,
+                                          world == 2 and not args.no_buckets, 10.0, 900,
+                                          args.compressions)  # fmt: skip
     print_table([r for r in payload["loopback"] if "buckets" not in r])
     print_table([r for r in payload["loopback"] if "buckets" in r])
     if not args.no_netns and args.rates:
@@ -326,15 +343,16 @@ def main() -> None:
                 gbps = float(rate.removesuffix("gbit")) if rate.endswith("gbit") else (
                     float(rate.removesuffix("mbit")) / 1000)  # fmt: skip
                 sizes = args.sizes if gbps >= 1 else [min(args.sizes)]
-                rows = _run_ranks(2, sizes, 1 if gbps < 1 else args.reps, True, gbps >= 1,
-                                  gbps, 1800)  # fmt: skip
+                rows = _run_ranks(2, sizes, 1 if gbps < 1 else args.reps, True,
+                                  gbps >= 1 and not args.no_buckets, gbps, 1800,
+                                  args.compressions)  # fmt: skip
                 payload["netns"][rate] = rows
                 print(f"-- W = 2 over veth at {rate}")
                 print_table([r for r in rows if "buckets" not in r])
                 print_table([r for r in rows if "buckets" in r])
         finally:
             _drop_link()
-    print("wrote", write_json("allreduce.json", payload))
+    print("wrote", write_json(args.out, payload))
 
 
 if __name__ == "__main__":
