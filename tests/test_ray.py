@@ -158,3 +158,28 @@ def test_an_actor_failing_in_its_constructor_names_the_cause_and_frees_the_group
     assert ray.available_resources().get("CPU") == total
     with pytest.raises(ValueError):
         ray.get_actor("tidegraph-coordinator", namespace="tidegraph-test-run")
+
+
+def test_a_whole_pass_reports_its_steps_to_the_driver_while_it_runs(ray_session, wiki):
+    default, RayGroup.progress_s = RayGroup.progress_s, 0.02  # trainers report every 20 ms
+    try:
+        learner = ContinualLearner(config(shards=1, trainers=2), wiki)
+    finally:
+        RayGroup.progress_s = default
+    group = learner.group
+    group.progress_s = 0.02
+    try:
+        assert group.runs_passes
+        learner.ingest(0, len(wiki.events))
+        gen = torch.Generator().manual_seed(0)
+        batches = []
+        for _ in range(40):  # many small steps: the pass runs for a while
+            ev = wiki.events.select(slice(0, 20))
+            neg = torch.randint(0, learner.num_nodes, (20, 1), generator=gen)
+            batches.append((ev, None, neg, 0))
+        seen = []
+        losses = group.train_pass(batches, seen.append)
+        assert len(losses) == 40
+        assert seen == sorted(seen) and any(0 < s < 40 for s in seen), seen
+    finally:
+        group.shutdown()

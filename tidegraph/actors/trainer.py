@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import ray
 
 from tidegraph.actors.segments import SegmentView
@@ -40,12 +42,26 @@ class _Trainer:
             gather=_gather, hop_samplers=hop_samplers,
         )  # fmt: skip
         self.collective = None
+        self.coordinator = None
 
-    def connect(self, address: tuple[str, int], generation: int) -> int:
-        """Join the trainer group of `generation` (all ranks call this together)."""
+    def connect(
+        self, address: tuple[str, int], generation: int, coordinator=None, every_s: float = 0.5
+    ) -> int:
+        """Join the trainer group of `generation` (all ranks call this together);
+        `coordinator`: where rank 0 reports a pass's progress, every `every_s` seconds."""
+        self.report_s = every_s
         timeout = self.config.cluster.collective_timeout_s
         self.collective = Collective(address, generation, self.rank, self.world, timeout)
+        self.coordinator = coordinator if self.rank == 0 else None
         return self.rank
+
+    def _progress(self, steps: int, last: float) -> float:
+        """Report `steps` finished to the coordinator if the last report is old enough."""
+        now = time.monotonic()
+        if self.coordinator is None or now - last < self.report_s:
+            return last
+        self.coordinator.report.remote(steps)
+        return now
 
     def ingested(
         self, num_nodes: int, num_rows: int, partition: dict | None, segments: list | None = None
@@ -75,7 +91,7 @@ class _Trainer:
         in rank (= slice) order. Returns this trainer's slice losses."""
         if before:
             self.core.apply_updates(list(before))
-        losses = []
+        losses, reported = [], time.monotonic()
         gather = self.world > 1
         for ev, weight, neg, num_observe, global_size in slices:
             loss, updates = self.core.train_and_step(
@@ -83,6 +99,7 @@ class _Trainer:
             )
             self.core.apply_updates(updates if gather else [updates])
             losses.append(loss)
+            reported = self._progress(len(losses), reported)
         return losses
 
     def eval_pass(self, slices: list, observe: bool, *before) -> list:
@@ -90,7 +107,7 @@ class _Trainer:
         `observe` the group's node-state updates after each batch, gathered in slice order."""
         if before:
             self.core.apply_updates(list(before))
-        out = []
+        out, reported = [], time.monotonic()
         for ev, neg in slices:
             if len(ev):
                 pos, negl, updates = self.core.eval_slice(ev, neg, observe)
@@ -99,6 +116,7 @@ class _Trainer:
             if observe:
                 self.core.apply_updates(self._gather(updates))
             out.append((pos, negl))
+            reported = self._progress(len(out), reported)
         return out
 
     def _gather(self, updates) -> list:

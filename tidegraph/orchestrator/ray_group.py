@@ -83,6 +83,7 @@ class RayGroup:
 
     placement_wait_s = 120.0  # tests set it lower
     pipeline_depth = 4  # training steps submitted ahead of the oldest unfinished one
+    progress_s = 0.5  # seconds between progress reads while a pass runs
 
     def __init__(
         self, config, num_nodes: int, edge_dim: int, expected_nodes: int | None = None
@@ -158,7 +159,8 @@ class RayGroup:
         ]  # fmt: skip
         self.generation = 0
         address = ray.get(self.coordinator.address.remote())
-        ray.get([t.connect.remote(address, self.generation) for t in self.trainers])
+        ray.get([t.connect.remote(address, self.generation, self.coordinator, self.progress_s)
+                 for t in self.trainers])  # fmt: skip
         ray.get([s.ping.remote() for s in self.shards])
         log.info(
             "ray group up: %d shards, %d trainers in namespace %r, node state %s",
@@ -249,10 +251,12 @@ class RayGroup:
         updates among themselves (sharded state goes through the shards, step by step)."""
         return self.config.cluster.whole_passes and not self.sharded
 
-    def train_pass(self, batches: list) -> list[float]:
+    def train_pass(self, batches: list, progress=None) -> list[float]:
         """Every step of a training pass in one task per trainer; the steps' losses.
-        `batches`: (events, weights, negatives, new events) per step."""
+        `batches`: (events, weights, negatives, new events) per step; `progress(steps)` is
+        called with the steps finished while the pass runs."""
         self.drain()
+        ray.get(self.coordinator.report.remote(0))
         before = self._take_pending()
         per_trainer = [[] for _ in self.trainers]
         for ev, weight, neg, num_observe in batches:
@@ -262,24 +266,38 @@ class RayGroup:
                 per_trainer[w].append(_own(args))
         refs = [t.train_pass.remote(s, *before) for t, s in zip(self.trainers, per_trainer,
                                                                  strict=True)]  # fmt: skip
-        losses = ray.get(refs)
+        losses = self._wait_pass(refs, progress)
         return [float(sum(step)) for step in zip(*losses, strict=True)]
 
-    def eval_pass(self, batches: list, observe: bool) -> list:
+    def eval_pass(self, batches: list, observe: bool, progress=None) -> list:
         """Scores of every batch of an evaluation pass, one task per trainer."""
         self.drain()
+        ray.get(self.coordinator.report.remote(0))
         before = self._take_pending()
         per_trainer = [[] for _ in self.trainers]
         for ev, neg in batches:
             for w, (lo, hi) in enumerate(self.balancer.bounds(ev, neg, self.num_trainers)):
                 per_trainer[w].append(_own((ev.select(slice(lo, hi)), neg[lo:hi])))
-        outs = ray.get([t.eval_pass.remote(s, observe, *before) for t, s in zip(
-            self.trainers, per_trainer, strict=True)])  # fmt: skip
+        outs = self._wait_pass([t.eval_pass.remote(s, observe, *before) for t, s in zip(
+            self.trainers, per_trainer, strict=True)], progress)  # fmt: skip
         scores = []
         for step in zip(*outs, strict=True):
             parts = [(p, n) for p, n in step if p is not None]
             scores.append((torch.cat([p for p, _ in parts]), torch.cat([n for _, n in parts])))
         return scores
+
+    def _wait_pass(self, refs: list, progress) -> list:
+        """The trainers' results of a pass; meanwhile `progress` gets the steps trainer 0
+        reported, and a trainer that failed raises at once (not after the others)."""
+        checked: set = set()
+        while True:
+            ready, pending = ray.wait(refs, num_returns=len(refs), timeout=self.progress_s)
+            ray.get([r for r in ready if r not in checked])  # raises the first failure
+            checked.update(ready)
+            if not pending:
+                return ray.get(refs)
+            if progress is not None:
+                progress(ray.get(self.coordinator.progress.remote()))
 
     def eval_step(
         self, ev: EventBatch, neg_BQ: torch.Tensor, observe: bool

@@ -184,25 +184,25 @@ class ContinualLearner:
         at = self.cursor.unit
         todo = units[at : at + first.parts]
         ps = self.pass_state
+        progress = _steps_shown(lambda i: self._bar(todo[i], ps, len(batches[i][0])))
         if first.kind == "train":
             ps.update(losses=[], loss_events=0, t_pass=time.perf_counter())
             batches = [self._train_inputs(u, ps) for u in todo]
-            losses = self.group.train_pass(batches)
-            for u, (ev, _, _, _), loss in zip(todo, batches, losses, strict=True):
+            losses = self.group.train_pass(batches, progress)
+            for (ev, _, _, _), loss in zip(batches, losses, strict=True):
                 ps["losses"].append((loss, len(ev)))
                 ps["loss_events"] += len(ev)
                 self.cursor.step += 1
-                self._bar(u, ps, len(ev))
         else:
             ps.update(pos=[], neg=[], t_pass=time.perf_counter())
             batches = []
             for u in todo:
                 ev = self.events.select(slice(u.lo, u.hi))
                 batches.append((ev, self.negatives.sample(len(ev), self.eval_negatives)))
-            for u, (p, n) in zip(todo, self.group.eval_pass(batches, True), strict=True):
+            for p, n in self.group.eval_pass(batches, True, progress):
                 ps["pos"].append(p)
                 ps["neg"].append(n)
-                self._bar(u, ps, u.hi - u.lo)
+        progress(len(todo))
         self.cursor.unit = at + first.parts
 
     def _train_inputs(self, u: Unit, ps: dict):
@@ -462,14 +462,15 @@ class ContinualLearner:
         losses = []
         batches = [(ev, None, self.negatives.sample(len(ev), self.train_negatives), len(ev))
                    for ev in self._batches(start, end)]  # fmt: skip
+        progress = _steps_shown(lambda i: bar.update(len(batches[i][0])))
         if self._whole_passes():
-            results = self.group.train_pass(batches)
+            results = self.group.train_pass(batches, progress)
         else:
             results = [self.group.train_step(*b) for b in batches]
+        progress(len(batches))
         for (ev, *_), loss in zip(batches, results, strict=True):
             losses.append((loss, len(ev)))
             self.cursor.step += 1
-            bar.update(len(ev))
         total = sum(_value(loss) * n for loss, n in losses)  # waits for pending steps
         return bar.close(), total / max(end - start, 1)
 
@@ -544,3 +545,17 @@ def _backend(name: str):
 def _fmt(metrics: dict) -> str:
     keys = ("ap", "auc", "mrr", "old_ap", "eval_events_per_s", "train_events_per_s")
     return " ".join(f"{k}={metrics[k]:.4g}" for k in keys if k in metrics)
+
+
+def _steps_shown(show):
+    """A progress callback for a group's pass: given the steps finished so far, calls
+    `show(i)` once for every step i not shown yet."""
+    shown = 0
+
+    def progress(steps: int) -> None:
+        nonlocal shown
+        for i in range(shown, steps):
+            show(i)
+        shown = max(shown, steps)
+
+    return progress
