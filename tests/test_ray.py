@@ -95,6 +95,14 @@ def test_actors_are_named_in_the_run_namespace_and_released(ray_session, wiki):
     for name in names:
         assert ray.get_actor(name, namespace="tidegraph-test-run") is not None
     assert set(group.placement()) == set(names[:4])
+    assert group.alive() == (2, 2)
+    ray.kill(group.trainers[1])
+    ray.kill(group.shards[0])
+    for _ in range(100):  # the GCS learns of the deaths asynchronously: bounded wait
+        if group.alive() == (1, 1):
+            break
+        time.sleep(0.05)
+    assert group.alive() == (1, 1)
     group.shutdown()
     with pytest.raises(ValueError):
         ray.get_actor("tidegraph-trainer-0", namespace="tidegraph-test-run")

@@ -9,7 +9,7 @@ Names (all prefixed `tidegraph_`):
   flat gradient per step);
 - `feature_cache_hit_rate`: trainer 0's edge-feature cache;
 - `increment_ap`, `increment_mrr`: metrics of the latest increment; `increments_total`;
-- `trainers_alive`, `shards_alive`.
+- `trainers_alive`, `shards_alive`: actors found alive (by name) at the last update.
 Each run has its own registry, so several runs in one process do not collide.
 """
 
@@ -53,8 +53,9 @@ class RunMetrics:
     def observe(self, learner, record: dict, seconds: list[dict], grad_values: int) -> None:
         """Update from a phase-1 or increment record and the trainers' step seconds."""
         group = learner.group
-        self.trainers.set(group.num_trainers)
-        self.shards.set(group.num_shards)
+        trainers, shards = group.alive()
+        self.trainers.set(trainers)
+        self.shards.set(shards)
         self.ingested.inc(learner.ingested - self._ingested)
         self._ingested = learner.ingested
         w = max(len(seconds), 1)

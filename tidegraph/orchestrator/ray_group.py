@@ -413,6 +413,21 @@ class RayGroup:
                                                              for s in self.shards])]  # fmt: skip
         return out
 
+    def alive(self) -> tuple[int, int]:
+        """(trainers, shards) whose actors are alive: Ray releases a dead actor's name, so a
+        lookup by name fails for it (asks the GCS; never waits on a busy actor)."""
+
+        def found(name: str) -> bool:
+            try:
+                ray.get_actor(name, namespace=self.namespace)
+            except ValueError:
+                return False
+            return True
+
+        trainers = sum(found(f"tidegraph-trainer-{w}") for w in range(len(self.trainers)))
+        shards = sum(found(f"tidegraph-shard-{p}") for p in range(len(self.shards)))
+        return trainers, shards
+
     def placement(self) -> dict:
         """Node id of every shard and trainer actor (for operators and tests)."""
         actors = {f"tidegraph-shard-{p}": s for p, s in enumerate(self.shards)}

@@ -216,6 +216,10 @@ class LocalGroup:
         """Each trainer's seconds per step phase since the last call."""
         return [t.take_seconds() for t in self.trainers]
 
+    def alive(self) -> tuple[int, int]:
+        """(trainers, shards) alive: in one process, all of them."""
+        return len(self.trainers), len(self.shards)
+
     def take_step_edges(self) -> list[list[int]]:
         """Each trainer's sampled edges per training slice since the last call."""
         return [t.take_step_edges() for t in self.trainers]
