@@ -51,14 +51,23 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-every", type=int, help="increments between checkpoints")
     p.add_argument(
         "--follow",
-        help="a directory receiving event files: its first file is "
-        "phase 1, each later one an increment (live source)",
+        help="a live source: a directory receiving event files (its first file is phase 1, "
+        "each later one an increment) or a growing text file that lines are appended to (what "
+        "it holds at the start is phase 1, then increments per --follow-lines); --resume "
+        "continues after the last increment ingested",
     )
     p.add_argument(
         "--follow-timeout",
         type=float,
         default=60.0,
-        help="seconds to wait for a new file before finishing (--follow)",
+        help="seconds to wait for new events before finishing (--follow)",
+    )
+    p.add_argument(
+        "--follow-lines",
+        type=int,
+        default=0,
+        help="a followed file's increment: the next N complete lines (the last may be shorter "
+        "when the file goes quiet); 0: every complete line there at each poll",
     )
     p.add_argument(
         "--metrics-port",
@@ -200,20 +209,15 @@ def _open_run(config: RunConfig, resume: bool, out: str | None):
 
 
 def _live_source(config: RunConfig, args):
-    """The followed directory, and phase 1: the first file that arrives in it."""
-    from tidegraph.storage.live import DirectorySource
-    from tidegraph.training.data import stream_of
+    """The followed directory or growing file (the orchestrator takes phase 1 from it, or,
+    resuming, puts it back where the checkpoint left it)."""
+    from tidegraph.storage.live import open_source
 
     d = config.data
-    source = DirectorySource(args.follow, d.format, d.quarantine)
-    got = source.next_events(args.follow_timeout)
-    if got is None:
-        raise ValueError(f"--follow: no event file arrived in {args.follow} within "
-                         f"{args.follow_timeout:.0f} s")  # fmt: skip
-    name, events = got
-    if not len(events):
-        raise ValueError(f"--follow: {name}, the first file, holds no valid events")
-    return source, stream_of(events, name)
+    if args.follow_lines and Path(args.follow).is_dir():
+        raise ValueError(f"--follow-lines applies to a growing file, not to the directory "
+                         f"{args.follow}")  # fmt: skip
+    return open_source(args.follow, d.format, d.quarantine, args.follow_lines)
 
 
 def _diff(a: dict, b: dict, skip: tuple[str, ...], prefix: str = "") -> list[str]:
@@ -232,10 +236,10 @@ def _diff(a: dict, b: dict, skip: tuple[str, ...], prefix: str = "") -> list[str
 def _run(config: RunConfig, run_dir, resume: bool, metrics_port: int = -1, args=None) -> int:
     from tidegraph.orchestrator import Orchestrator, RunState
 
-    source, stream = None, None
+    source = None
     if args is not None and args.follow:
         try:
-            source, stream = _live_source(config, args)
+            source = _live_source(config, args)
         except ValueError as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
@@ -252,7 +256,7 @@ def _run(config: RunConfig, run_dir, resume: bool, metrics_port: int = -1, args=
         print(f"metrics: http://127.0.0.1:{metrics.port}/metrics", flush=True)
     try:
         orchestrator = Orchestrator(
-            config, stream, on_record=_print_record, run_dir=run_dir, resume=resume,
+            config, on_record=_print_record, run_dir=run_dir, resume=resume,
             metrics=metrics, source=source,
             follow_timeout=args.follow_timeout if args is not None else 60.0,
         )  # fmt: skip

@@ -10,18 +10,28 @@
 With a `RunDir`, ingested events go to its durable event log first, a checkpoint (every piece of
 state, with the log offset) is written after phase 1, every `checkpoint_every` increments and
 at the end, and `resume` restores the newest one before RUNNING.
+A followed run (a live `source`, `tidegraph.storage.live`) also checkpoints the source's
+position and the stream's layout (its name, phase 1's end, each increment's bounds). At every
+checkpoint all the source has handed out is ingested, so resuming rebuilds the stream from the
+event log (the same increments, so the same schedule), puts the source back at that position
+and takes what it has not handed out yet: nothing is ingested twice, nothing skipped. Log files
+written after the checkpoint are set aside (renamed `*.superseded`, not erased): their events
+are ingested again, perhaps cut into other increments.
 Each increment's record goes to `on_record` as it is made (the job prints it). The procedure
 itself is `ContinualLearner`'s, so every backend runs exactly the single-process semantics.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 import logging
 from collections.abc import Callable
 
+from tidegraph.storage.events import EventBatch
 from tidegraph.training.continual import ContinualLearner
+from tidegraph.training.data import Stream, stream_of
 
 __all__ = ["Orchestrator", "RunState"]
 
@@ -53,14 +63,13 @@ class Orchestrator:
         source=None,
         follow_timeout: float = 60.0,
     ) -> None:
-        """`source`: a live source (`DirectorySource`); `stream` is then phase 1's events and
-        each file that arrives is one more increment, until none arrives in
-        `follow_timeout` seconds."""
+        """`source`: a live source (`tidegraph.storage.live`); phase 1 is `stream` when given,
+        else the source's first increment, and each later increment comes from the source,
+        until none arrives in `follow_timeout` seconds."""
         self.config = config
         self.source = source
         self.follow_timeout = follow_timeout
-        if source is not None and resume:
-            raise ValueError("--resume of a followed directory is not supported yet")
+        self._saved: dict | None = None  # the checkpoint a resumed run continues from
         self.metrics = metrics  # a RunMetrics, updated after every record
         self.run_dir = run_dir
         self.resume = resume
@@ -99,12 +108,15 @@ class Orchestrator:
     def _advance(self) -> RunState:
         if self.state is RunState.SCHEDULING:
             events = None if self.run_dir is None else self.run_dir.event_log()
+            if self.resume:
+                self._saved = self._load_checkpoint()
             live = self.source is not None
+            stream = self._live_stream(events) if live else self.stream
             self.learner = ContinualLearner(
-                self.config, self.stream, self.group_factory, events, live=live
+                self.config, stream, self.group_factory, events, live=live
             )
             if self.resume:
-                self._restore()
+                self._restore(events)
             elif self.run_dir is not None:
                 self.run_dir.save_config(self.config.to_dict())
             g = self.learner.group
@@ -130,6 +142,8 @@ class Orchestrator:
             if got is not None:
                 name, events = got
                 if len(events):
+                    if learner.events.label is None:  # a stream rebuilt from the log has none
+                        events.label = None
                     learner.append(events)
                 log.info("live source: %s brought %d events", name, len(events))
                 return RunState.RUNNING
@@ -146,16 +160,70 @@ class Orchestrator:
     def _checkpoint(self, tag: str) -> None:
         if self.run_dir is None:
             return
-        state = {"learner": self.learner.state_dict(), "log_offset": self.learner.ingested,
+        learner = self.learner
+        state = {"learner": learner.state_dict(), "log_offset": learner.ingested,
                  "config": self.config.to_dict(),
                  "source": None if self.source is None else self.source.state_dict()}  # fmt: skip
+        if self.source is not None:  # the stream's layout, to rebuild it from the event log
+            state["live"] = {"name": learner.stream.name, "phase1_end": learner.phase1_end,
+                             "increments": [tuple(b) for b in learner.bounds]}  # fmt: skip
         self.run_dir.save_checkpoint(state, tag)
 
-    def _restore(self) -> None:
+    def _load_checkpoint(self) -> dict | None:
+        """The newest checkpoint of the run being resumed (None: it has none yet); a followed
+        run resumes only with a source, and a run that followed none only without one."""
         if self.run_dir.latest_name() is None:
+            return None
+        state = self.run_dir.load_checkpoint()
+        followed = state.get("source")
+        if followed is not None and self.source is None:
+            where = followed.get("path", "a live source")
+            raise ValueError(f"--resume: run {self.run_dir.run_name} followed {where}; "
+                             f"pass --follow {where} to resume it")  # fmt: skip
+        if followed is not None and "live" not in state:
+            raise ValueError(f"--resume: run {self.run_dir.run_name}'s checkpoint predates "
+                             "resumable followed runs; start a new run")  # fmt: skip
+        if followed is None and self.source is not None:
+            raise ValueError(f"--follow: run {self.run_dir.run_name} followed no live source; "
+                             "resume it without --follow")  # fmt: skip
+        return state
+
+    def _live_stream(self, event_log) -> Stream:
+        """Phase 1 of a followed run: rebuilt from the event log when resuming a checkpoint
+        (the source goes back to its position then), else `stream` or the source's first
+        increment."""
+        saved = self._saved
+        if self.resume:  # log files past the checkpoint are ingested again
+            _supersede(event_log, 0 if saved is None else saved["log_offset"])
+        if saved is not None:
+            self.source.load_state_dict(saved["source"])
+            live = saved["live"]
+            return stream_of(_owned(event_log.read(0, live["phase1_end"])), live["name"])
+        if self.stream is not None:
+            return self.stream
+        got = self.source.next_events(self.follow_timeout)
+        if got is None:
+            raise ValueError(f"--follow: no {self.source.waiting_for} arrived in "
+                             f"{self.source.path} within {self.follow_timeout:.0f} s")  # fmt: skip
+        name, events = got
+        if not len(events):
+            raise ValueError(f"--follow: {name}: the first increment holds no valid events")
+        return stream_of(events, name)
+
+    def _restore(self, event_log) -> None:
+        state = self._saved
+        if state is None:
             log.info("no checkpoint yet: the run starts again from its beginning")
             return
-        state = self.run_dir.load_checkpoint()
+        if self.source is not None:  # the increments after phase 1, as they were cut
+            bounds = state["live"]["increments"]
+            logged = _owned(event_log.read(0, state["log_offset"]))
+            for lo, hi in bounds:
+                self.learner.append(logged.select(slice(lo, hi)))
+            if len(self.learner.events) != state["log_offset"]:
+                raise ValueError(f"--resume: the checkpoint's increments end at "
+                                 f"{len(self.learner.events)}, its log offset is "
+                                 f"{state['log_offset']}")  # fmt: skip
         self.learner.load_state_dict(state["learner"])
         history = self.learner.history
         out = self.config.out_dir
@@ -169,3 +237,19 @@ class Orchestrator:
             "resumed after %d increments at log offset %d", self.learner.cursor.increment,
             state["log_offset"],
         )  # fmt: skip
+
+
+def _supersede(event_log, offset: int) -> None:
+    """Set aside (rename, never erase) the log files of events from `offset` on: a resumed
+    run ingests those events again and logs them anew, perhaps in other batches."""
+    for start, _, path in event_log.files():
+        if start >= offset:
+            event_log.fs.move(path, f"{path}.superseded")
+            log.info("event log: %s set aside (after the checkpoint; ingested again)", path)
+
+
+def _owned(events: EventBatch) -> EventBatch:
+    """Events read from the log in tensors of their own (the log's are read-only Arrow
+    buffers, and the run's stream is the learner's to change)."""
+    values = {f.name: getattr(events, f.name) for f in dataclasses.fields(events)}
+    return EventBatch(**{k: None if v is None else v.clone() for k, v in values.items()})
