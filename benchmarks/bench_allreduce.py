@@ -128,6 +128,7 @@ def _timed(fn, reps: int, iface: str | None):
         t = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t)
+    dist.barrier()  # the peers have received all we sent: none of it still queued here
     after = _tx_bytes(iface)
     wire = None if before is None else (after - before) / reps  # barriers are a few bytes
     return statistics.median(times), wire
