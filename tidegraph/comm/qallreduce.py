@@ -33,6 +33,11 @@ indices (all-gather; sparse sums do not shrink under a reduce-scatter), and ever
 W sparse vectors in rank order. Indices of one rank are distinct, so the sum is deterministic
 even with atomics.
 
+Non-finite gradients: a rank whose values cannot be encoded (inf or nan; or an owner whose sum
+leaves fp32's range) sends zeros with a flag byte (the last byte of every message), so every
+rank raises the same ValueError at that step, with its buffer unchanged (compressed buckets are
+exchanged before exact ones), instead of its peers waiting for the collective's timeout.
+
 `ErrorFeedback` (optional) keeps what each rank's encoding dropped and, for the owner's
 re-quantization, what the second encoding dropped, and adds it to the next step's input.
 """
@@ -396,20 +401,10 @@ class QuantizedAllReduce:
         )
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=self.group)
-        # owner: sum the W decoded contributions in fp32, in rank order
         flag = int(recv[:, -1].max())  # a rank that could not encode says so in its rows
         owned = torch.zeros(sum(b.seg for b in buckets), device=flat.device)
         if not flag:
-            owned = torch.cat(
-                [
-                    _decode(recv[:, o : o + w], b.seg, S, bb).sum(dim=0)
-                    for b, bb, o, w in zip(buckets, bits, offsets, widths, strict=True)
-                ]
-            )
-            if average:
-                owned.div_(W)
-            if cfg.error_feedback:
-                owned = self._owner_fb.compensate(owned)
+            owned = self._owner_sum(recv, buckets, bits, offsets, widths, average)
         seg_at = _starts([b.seg for b in buckets])
         piece, flag = _guarded(
             lambda: torch.cat(
@@ -439,6 +434,20 @@ class QuantizedAllReduce:
             self._worker_fb.update(comp, torch.cat(mine))
             self._owner_fb.update(owned, torch.cat(decoded_own))
         return 2 * (W - 1) * piece.numel()
+
+    def _owner_sum(self, recv, buckets, bits, offsets, widths, average: bool) -> torch.Tensor:
+        """This rank's segments: the W decoded contributions summed in fp32 in rank order
+        (divided by W for a mean; plus the owner's residual with error feedback)."""
+        S = self.config.chunk_size
+        owned = torch.cat(
+            [
+                _decode(recv[:, o : o + w], b.seg, S, bb).sum(dim=0)
+                for b, bb, o, w in zip(buckets, bits, offsets, widths, strict=True)
+            ]
+        )
+        if average:
+            owned.div_(self.world)
+        return self._owner_fb.compensate(owned) if self.config.error_feedback else owned
 
     def _gather(self, piece: torch.Tensor) -> torch.Tensor:
         """[W, bytes]: every rank's `piece` in rank order (gloo wants a flat output)."""
