@@ -25,3 +25,16 @@ def pytest_collection_modifyitems(config, items):
 def device(request) -> torch.device:
     """Run a test on CPU, and on CUDA when the `gpu` tests run on a machine that has one."""
     return torch.device(request.param)
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    """A local Ray on loopback for one test module (its actors and namespaces go with it)."""
+    import ray
+
+    ray.init(
+        _node_ip_address="127.0.0.1", num_cpus=8, include_dashboard=False,
+        namespace="tidegraph-tests", configure_logging=False,
+    )  # fmt: skip
+    yield
+    ray.shutdown()

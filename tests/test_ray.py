@@ -1,5 +1,7 @@
 """The Ray backend: shard and trainer actors give exactly what the in-process group gives."""
 
+import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -15,16 +17,6 @@ from tidegraph.training import ContinualLearner, RunConfig, load_stream
 
 sys.path.insert(0, str(Path(__file__).parent))
 import reference_run  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def ray_session():
-    ray.init(
-        _node_ip_address="127.0.0.1", num_cpus=6, include_dashboard=False,
-        namespace="tidegraph-tests", configure_logging=False,
-    )  # fmt: skip
-    yield
-    ray.shutdown()
 
 
 def config(model="tgn", backend="ray", **cluster) -> RunConfig:
@@ -96,7 +88,7 @@ def test_actors_are_named_in_the_run_namespace_and_released(ray_session, wiki):
         assert ray.get_actor(name, namespace="tidegraph-test-run") is not None
     assert set(group.placement()) == set(names[:4])
     assert group.alive() == (2, 2)
-    ray.kill(group.trainers[1])
+    os.kill(ray.get(group.trainers[1].pid.remote()), signal.SIGKILL)  # the name outlives it
     ray.kill(group.shards[0])
     for _ in range(100):  # the GCS learns of the deaths asynchronously: bounded wait
         if group.alive() == (1, 1):

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import logging
+import os
+import signal
 import time
 
 import ray
+import torch
 
 from tidegraph.actors.segments import SegmentView
 from tidegraph.actors.shard import RemoteShard
@@ -17,13 +21,17 @@ from tidegraph.training.group import build_trainer
 
 __all__ = ["TrainerActor"]
 
+log = logging.getLogger(__name__)
+
 
 class _Trainer:
     def __init__(
         self, runtime: dict, config: dict, rank: int, world: int, shards: list,
-        num_nodes: int, edge_dim: int, sharded: bool,
+        num_nodes: int, edge_dim: int, sharded: bool, incarnation: int = 0,
     ) -> None:  # fmt: skip
+        """`incarnation`: how many trainers of this rank were lost before this one."""
         set_determinism(**runtime)
+        self.incarnation = incarnation
         self.config = RunConfig.from_dict(config)
         c = self.config.cluster
         self.rank, self.world = rank, world
@@ -43,6 +51,7 @@ class _Trainer:
         )  # fmt: skip
         self.collective = None
         self.coordinator = None
+        self.pass_results: list = []
 
     def connect(
         self, address: tuple[str, int], generation: int, coordinator=None, every_s: float = 0.5
@@ -85,45 +94,92 @@ class _Trainer:
         return self.core.train_and_step(ev, weight, neg, num_observe, global_size,
                                         self.collective)  # fmt: skip
 
-    def train_pass(self, slices: list, *before) -> list[float]:
+    def train_pass(self, slices: list, *before) -> list[float] | None:
         """Every step of a training pass: per step this trainer's slice, the all-reduce, the
         optimizer step, then the node-state updates of all slices, gathered from the group
-        in rank (= slice) order. Returns this trainer's slice losses."""
+        in rank (= slice) order with the slices' losses. Rank 0 returns the batches'
+        losses; every rank keeps them in `pass_results` (a survivor reports them when the
+        group lost a member midway, see `recovery_report`)."""
         if before:
             self.core.apply_updates(list(before))
-        losses, reported = [], time.monotonic()
+        self.pass_results, reported = [], time.monotonic()
         gather = self.world > 1
         for ev, weight, neg, num_observe, global_size in slices:
+            collective = self._armed(self.collective)
             loss, updates = self.core.train_and_step(
-                ev, weight, neg, num_observe, global_size, self.collective, gather
+                ev, weight, neg, num_observe, global_size, collective, gather
             )
             self.core.apply_updates(updates if gather else [updates])
-            losses.append(loss)
-            reported = self._progress(len(losses), reported)
-        return losses
+            self._fault("after_step", self.core.steps - 1)
+            self.pass_results.append(loss)
+            reported = self._progress(len(self.pass_results), reported)
+        return self.pass_results if self.rank == 0 else None
 
-    def eval_pass(self, slices: list, observe: bool, *before) -> list:
-        """Every batch of an evaluation pass: (pos, neg) of this trainer's slices; with
-        `observe` the group's node-state updates after each batch, gathered in slice order."""
+    def eval_pass(self, slices: list, observe: bool, *before) -> list | None:
+        """Every batch of an evaluation pass: the (pos, neg) scores of every slice, gathered
+        with the slices' node-state updates (applied after each batch with `observe`). Rank
+        0 returns the batches' scores; every rank keeps them in `pass_results`."""
         if before:
             self.core.apply_updates(list(before))
-        out, reported = [], time.monotonic()
+        self.pass_results, reported = [], time.monotonic()
         for ev, neg in slices:
             if len(ev):
                 pos, negl, updates = self.core.eval_slice(ev, neg, observe)
             else:
                 pos, negl, updates = None, None, None
+            parts = self._gather((pos, negl, updates))
             if observe:
-                self.core.apply_updates(self._gather(updates))
-            out.append((pos, negl))
-            reported = self._progress(len(out), reported)
-        return out
+                self.core.apply_updates([u for _, _, u in parts])
+            self.pass_results.append(_scores(parts))
+            reported = self._progress(len(self.pass_results), reported)
+        return self.pass_results if self.rank == 0 else None
 
-    def _gather(self, updates) -> list:
-        """Every trainer's updates of this step, in rank order (a collective)."""
+    def _fault(self, at: str, step: int) -> None:
+        """Die here if `cluster.faults` says so (SIGKILL: no cleanup, like a lost node)."""
+        for fault in self._faults():
+            if (fault["step"], fault["at"]) == (step, at):
+                log.warning("fault injected: trainer %d dies at %s of step %d", self.rank, at,
+                            step)  # fmt: skip
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    def _faults(self) -> list[dict]:
+        """The faults for this rank and incarnation (a replacement does not die again of
+        its predecessor's fault)."""
+        me = (self.rank, self.incarnation)
+        return [f for f in self.config.cluster.faults
+                if (f["trainer"], f.get("incarnation", 0)) == me]  # fmt: skip
+
+    def _armed(self, collective):
+        """`collective`, dying before its all-reduce if a fault is due there this step; the
+        "forward" fault fires now."""
+        self._fault("forward", self.core.steps)
+        due = any((f["step"], f["at"]) == (self.core.steps, "allreduce") for f in self._faults())
+        return _DiesBeforeAllreduce(collective, self) if due else collective
+
+    def _gather(self, obj) -> list:
+        """Every trainer's `obj` of this step, in rank order (a collective)."""
         if self.world == 1:
-            return [updates]
-        return self.collective.all_gather_tensors(updates, self.core.device)
+            return [obj]
+        return self.collective.all_gather_tensors(obj, self.core.device)
+
+    def recovery_report(self) -> dict:
+        """What this trainer finished of the pass its group was running when it lost a
+        member: the results of its whole steps (their count is where it stands); the
+        failed step's partial work is dropped."""
+        self.core.abort_step()
+        return {"done": len(self.pass_results), "results": self.pass_results}
+
+    def replica_state(self) -> dict:
+        """Everything a replacement needs to be this replica: parameters, optimizer,
+        replicated node state, feature cache."""
+        return self.core.state_dict()
+
+    def load_replica(self, state: dict) -> None:
+        self.core.abort_step()
+        self.core.load_state_dict(state)
+
+    def pid(self) -> int:
+        return os.getpid()
 
     def eval_slice(self, ev, neg, observe: bool, *before):
         if before:
@@ -163,3 +219,23 @@ def _gather(answers: list) -> list:
 
 
 TrainerActor = ray.remote(_Trainer)
+
+
+def _scores(parts: list) -> tuple:
+    """One batch's (pos, neg) scores from the slices' (pos, neg, updates), in slice order."""
+    kept = [(p, n) for p, n, _ in parts if p is not None]
+    return torch.cat([p for p, _ in kept]).cpu(), torch.cat([n for _, n in kept]).cpu()
+
+
+class _DiesBeforeAllreduce:
+    """A collective whose all-reduce kills the process first (fault injection)."""
+
+    def __init__(self, collective, trainer: _Trainer) -> None:
+        self._collective, self._trainer = collective, trainer
+
+    def allreduce_sum_(self, x):
+        self._trainer._fault("allreduce", self._trainer.core.steps)
+        return self._collective.allreduce_sum_(x)
+
+    def __getattr__(self, name: str):
+        return getattr(self._collective, name)

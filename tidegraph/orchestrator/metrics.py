@@ -9,7 +9,7 @@ Names (all prefixed `tidegraph_`):
   flat gradient per step);
 - `feature_cache_hit_rate`: trainer 0's edge-feature cache;
 - `increment_ap`, `increment_mrr`: metrics of the latest increment; `increments_total`;
-- `trainers_alive`, `shards_alive`: actors found alive (by name) at the last update.
+- `trainers_alive`, `shards_alive`: actors the GCS reports alive at the last update.
 Each run has its own registry, so several runs in one process do not collide.
 """
 

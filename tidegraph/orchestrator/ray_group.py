@@ -36,7 +36,7 @@ from tidegraph.training.balance import SliceBalancer
 from tidegraph.training.group import check_placement, choose_memory_placement, state_row_bytes
 from tidegraph.training.schedule import train_slices
 
-__all__ = ["RayGroup", "PlacementTimeout"]
+__all__ = ["NoReplicaLeft", "PlacementTimeout", "RayGroup"]
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,14 @@ def _own(x):
     return x
 
 
+def _actor_state(actor) -> str:
+    """The GCS's state of `actor` ("ALIVE", "DEAD", ...). Ray offers it publicly only through
+    the dashboard's state API (not always running), so this asks the GCS table directly."""
+    from ray._private import state
+
+    return state.actors(actor_id=actor._actor_id.hex())["State"]
+
+
 class PendingLoss:
     """The loss of a submitted step; `value()` waits for it."""
 
@@ -78,12 +86,18 @@ class PlacementTimeout(RuntimeError):
     """The cluster did not offer the resources a group needs within the wait."""
 
 
+class NoReplicaLeft(RuntimeError):
+    """Every trainer was lost at once: recovery must start from the last checkpoint."""
+
+
 class RayGroup:
     """P shard actors and W trainer actors of one run (Ray must be initialized)."""
 
     placement_wait_s = 120.0  # tests set it lower
     pipeline_depth = 4  # training steps submitted ahead of the oldest unfinished one
     progress_s = 0.5  # seconds between progress reads while a pass runs
+    probe_s = 10.0  # a trainer that does not answer this long after a failure is hung
+    name_wait_s = 30.0  # for a lost trainer's name to be free for its replacement
 
     def __init__(
         self, config, num_nodes: int, edge_dim: int, expected_nodes: int | None = None
@@ -108,6 +122,8 @@ class RayGroup:
         self.memory_placement = choose_memory_placement(c, expected, row_bytes)
         self.sharded = self.memory_placement == "sharded" and row_bytes > 0
         self.num_rows = 0
+        self.recoveries: list[dict] = []  # one record per trainer recovery
+        self.recoveries_left = config.cluster.max_recoveries
         self._inflight: collections.deque[PendingLoss] = collections.deque()
         self._pending: list = []  # node-state updates of the last step, not yet sent
         cuda = config.device.startswith("cuda")
@@ -146,26 +162,49 @@ class RayGroup:
             )
             for p in range(c.shards)
         ]  # fmt: skip
-        self.trainers = [
-            TrainerActor.options(
-                name=f"tidegraph-trainer-{w}", num_cpus=c.trainer_cpus,
-                num_gpus=1 if cuda else 0, **opts,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.trainer_pg, w),
-            ).remote(
-                self._runtime(w), raw, w, c.trainers, self.shards, num_nodes, edge_dim,
-                self.sharded,
-            )
-            for w in range(c.trainers)
-        ]  # fmt: skip
-        self.generation = 0
-        address = ray.get(self.coordinator.address.remote())
-        ray.get([t.connect.remote(address, self.generation, self.coordinator, self.progress_s)
-                 for t in self.trainers])  # fmt: skip
+        self._trainer_args = (raw, edge_dim, cuda)
+        self.num_nodes = num_nodes
+        self.incarnations = [0] * c.trainers  # replacements of each rank so far
+        self.trainers = [self._new_trainer(w) for w in range(c.trainers)]
+        self.generation = -1
+        self._connect()
         ray.get([s.ping.remote() for s in self.shards])
         log.info(
             "ray group up: %d shards, %d trainers in namespace %r, node state %s",
             c.shards, c.trainers, self.namespace, self.memory_placement,
         )  # fmt: skip
+
+    def _new_trainer(self, w: int, placed: bool = True):
+        """Trainer actor of rank `w`, in its bundle of the trainers' placement group (or, not
+        `placed`, wherever the cluster has a slot)."""
+        c = self.config.cluster
+        raw, edge_dim, cuda = self._trainer_args
+        where = {}
+        if placed:
+            where["scheduling_strategy"] = PlacementGroupSchedulingStrategy(self.trainer_pg, w)
+        deadline = time.monotonic() + self.name_wait_s
+        while True:
+            try:
+                return TrainerActor.options(
+                    name=f"tidegraph-trainer-{w}", num_cpus=c.trainer_cpus,
+                    num_gpus=1 if cuda else 0, namespace=self.namespace, lifetime=None, **where,
+                ).remote(
+                    self._runtime(w), raw, w, c.trainers, self.shards, self.num_nodes,
+                    edge_dim, self.sharded, self.incarnations[w],
+                )  # fmt: skip
+            except ray.exceptions.ActorAlreadyExistsError:
+                # a lost trainer's name is released once the GCS marks it dead: bounded wait
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.02)
+
+    def _connect(self) -> None:
+        """Every trainer joins the group of a new membership generation (a fresh prefix of
+        the coordinator's store)."""
+        self.generation += 1
+        address = ray.get(self.coordinator.address.remote())
+        ray.get([t.connect.remote(address, self.generation, self.coordinator, self.progress_s)
+                 for t in self.trainers])  # fmt: skip
 
     def _runtime(self, rank: int) -> dict:
         c = self.config
@@ -213,15 +252,16 @@ class RayGroup:
         ray.get([s.ingest.remote(piece) for s, piece in zip(self.shards, pieces, strict=True)])
         if len(events):
             self.num_rows = max(self.num_rows, int(events.eid.max()) + 1)
+        self.num_nodes = max(self.num_nodes, num_nodes)
         self._refresh(num_nodes)
 
-    def _refresh(self, num_nodes: int) -> None:
-        """Tell trainers what shards now hold: node count, feature rows, placements, and the
-        segments same-node trainers sample in place."""
+    def _refresh(self, num_nodes: int, trainers: list | None = None) -> None:
+        """Tell trainers (all, or these) what shards now hold: node count, feature rows,
+        placements, and the segments same-node trainers sample in place."""
         part = None if self.partitioner.kind == "hash" else self.partitioner.state_dict()
         segments = ray.get([s.segment_refs.remote() for s in self.shards])
         ray.get([t.ingested.remote(num_nodes, self.num_rows, part, segments)
-                 for t in self.trainers])  # fmt: skip
+                 for t in (self.trainers if trainers is None else trainers)])  # fmt: skip
 
     # ---- steps ------------------------------------------------------------------------------
 
@@ -254,37 +294,116 @@ class RayGroup:
     def train_pass(self, batches: list, progress=None) -> list[float]:
         """Every step of a training pass in one task per trainer; the steps' losses.
         `batches`: (events, weights, negatives, new events) per step; `progress(steps)` is
-        called with the steps finished while the pass runs."""
-        self.drain()
-        ray.get(self.coordinator.report.remote(0))
-        before = self._take_pending()
+        called with the steps finished while the pass runs. A trainer lost midway is
+        replaced from a survivor and the pass goes on from the survivors' last whole step
+        (`recover`)."""
         per_trainer = [[] for _ in self.trainers]
         for ev, weight, neg, num_observe in batches:
             bounds = self.balancer.bounds(ev, neg, self.num_trainers)
             slices = train_slices(ev, weight, neg, num_observe, self.num_trainers, bounds)
             for w, args in enumerate(slices):
                 per_trainer[w].append(_own(args))
-        refs = [t.train_pass.remote(s, *before) for t, s in zip(self.trainers, per_trainer,
-                                                                 strict=True)]  # fmt: skip
-        losses = self._wait_pass(refs, progress)
-        return [float(sum(step)) for step in zip(*losses, strict=True)]
+        return self._pass("train_pass", per_trainer, (), progress)
 
     def eval_pass(self, batches: list, observe: bool, progress=None) -> list:
         """Scores of every batch of an evaluation pass, one task per trainer."""
-        self.drain()
-        ray.get(self.coordinator.report.remote(0))
-        before = self._take_pending()
         per_trainer = [[] for _ in self.trainers]
         for ev, neg in batches:
             for w, (lo, hi) in enumerate(self.balancer.bounds(ev, neg, self.num_trainers)):
                 per_trainer[w].append(_own((ev.select(slice(lo, hi)), neg[lo:hi])))
-        outs = self._wait_pass([t.eval_pass.remote(s, observe, *before) for t, s in zip(
-            self.trainers, per_trainer, strict=True)], progress)  # fmt: skip
-        scores = []
-        for step in zip(*outs, strict=True):
-            parts = [(p, n) for p, n in step if p is not None]
-            scores.append((torch.cat([p for p, _ in parts]), torch.cat([n for _, n in parts])))
-        return scores
+        return self._pass("eval_pass", per_trainer, (observe,), progress)
+
+    def _pass(self, method: str, per_trainer: list, args: tuple, progress) -> list:
+        """Run a pass (`method` of every trainer, its slices of every step); rank 0's
+        results, recovering from lost trainers as often as it takes."""
+        self.drain()
+        before = self._take_pending()
+        results: list = []
+        stalled = 0  # recoveries in a row after which the pass got no further
+        while True:
+            done = len(results)
+            ray.get(self.coordinator.report.remote(0))
+            refs = [getattr(t, method).remote(s[done:], *args, *before)
+                    for t, s in zip(self.trainers, per_trainer, strict=True)]  # fmt: skip
+            before = []  # applied by every survivor; a replacement copies one
+            shifted = None if progress is None else (lambda n, d=done: progress(d + n))
+            try:
+                return results + self._wait_pass(refs, shifted)[0]
+            except ray.exceptions.RayError as exc:
+                results += self.recover(exc)
+                stalled = stalled + 1 if len(results) == done else 0
+                if stalled >= 3:
+                    raise RuntimeError(
+                        f"trainers keep failing at step {done} of a {method} of "
+                        f"{len(per_trainer[0])} steps ({stalled} recoveries without progress); "
+                        f"last lost: {self.recoveries[-1]['lost']}"
+                    ) from exc
+
+    # ---- recovery -----------------------------------------------------------------------------
+
+    def _probe(self) -> list[int]:
+        """Ranks of trainers that are dead, or do not answer within `probe_s` (hung: in a
+        collective that waits for a dead peer, say); those are killed."""
+        refs = [t.pid.remote() for t in self.trainers]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.probe_s)
+        lost = []
+        for w, ref in enumerate(refs):
+            if ref not in ready:
+                ray.kill(self.trainers[w])
+                lost.append(w)
+                continue
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError:
+                lost.append(w)
+        return lost
+
+    def recover(self, cause: Exception) -> list:
+        """Bring the trainer group back after `cause` (a failed pass): replace every lost
+        trainer by a copy of the survivor that finished the most steps of the pass, bring
+        survivors that finished fewer to it, rebuild the group on a new generation. No
+        checkpoint is read and no finished step is repeated: a survivor's last whole step
+        is the group's (its all-reduce and update exchange completed, so it holds every
+        slice's share). Returns that survivor's results of the pass so far; raises `cause`
+        when no trainer was lost (the failure is not a lost member) or none survived."""
+        t0 = time.perf_counter()
+        lost = self._probe()
+        if not lost:
+            raise cause
+        if len(lost) == len(self.trainers):
+            raise NoReplicaLeft(
+                f"all {len(lost)} trainers were lost; no replica to recover from"
+            ) from cause
+        self.recoveries_left -= 1
+        if self.recoveries_left < 0:
+            raise RuntimeError("trainer recovery: the retry budget is spent") from cause
+        for w in lost:  # frees the name of one that died (a SIGKILLed actor keeps it)
+            ray.kill(self.trainers[w])
+        alive = [w for w in range(len(self.trainers)) if w not in lost]
+        reports = dict(zip(alive, ray.get([self.trainers[w].recovery_report.remote()
+                                           for w in alive]), strict=True))  # fmt: skip
+        source = max(alive, key=lambda w: (reports[w]["done"], -w))
+        done = reports[source]["done"]
+        state = self.trainers[source].replica_state.remote()
+        for w in lost:
+            self.incarnations[w] += 1
+            self.trainers[w] = self._new_trainer(w)
+        self._refresh(self.num_nodes, [self.trainers[w] for w in lost])
+        behind = lost + [w for w in alive if reports[w]["done"] < done]
+        ray.get([self.trainers[w].load_replica.remote(state) for w in behind])
+        self._connect()
+        event = {
+            "lost": lost, "source": source, "steps_done": done, "copied_to": sorted(behind),
+            "generation": self.generation, "seconds": time.perf_counter() - t0,
+            "cause": type(cause).__name__,
+        }  # fmt: skip
+        self.recoveries.append(event)
+        log.warning(
+            "trainer recovery: lost %s; %d steps of the pass done; trainer %d copied to %s; "
+            "group generation %d; %.2f s", lost, done, source, sorted(behind), self.generation,
+            event["seconds"],
+        )  # fmt: skip
+        return reports[source]["results"]
 
     def _wait_pass(self, refs: list, progress) -> list:
         """The trainers' results of a pass; meanwhile `progress` gets the steps trainer 0
@@ -351,8 +470,14 @@ class RayGroup:
     # ---- node state, rounds, reports ----------------------------------------------------------
 
     def _all(self, method: str, *args) -> list:
+        """`TrainerCore.method(*args)` on every trainer; a trainer found lost is replaced
+        from a survivor first (`recover`) and the call made again."""
         self._flush()
-        return ray.get([t.call.remote(method, *args) for t in self.trainers])
+        try:
+            return ray.get([t.call.remote(method, *args) for t in self.trainers])
+        except ray.exceptions.RayActorError as exc:
+            self.recover(exc)
+            return ray.get([t.call.remote(method, *args) for t in self.trainers])
 
     def reset_state(self) -> None:
         self._all("reset_state")
@@ -414,19 +539,13 @@ class RayGroup:
         return out
 
     def alive(self) -> tuple[int, int]:
-        """(trainers, shards) whose actors are alive: Ray releases a dead actor's name, so a
-        lookup by name fails for it (asks the GCS; never waits on a busy actor)."""
+        """(trainers, shards) whose actors the GCS reports alive (a killed actor's name can
+        outlive it while handles to it exist, so the lookup is by actor id)."""
 
-        def found(name: str) -> bool:
-            try:
-                ray.get_actor(name, namespace=self.namespace)
-            except ValueError:
-                return False
-            return True
+        def up(actor) -> bool:
+            return _actor_state(actor) == "ALIVE"
 
-        trainers = sum(found(f"tidegraph-trainer-{w}") for w in range(len(self.trainers)))
-        shards = sum(found(f"tidegraph-shard-{p}") for p in range(len(self.shards)))
-        return trainers, shards
+        return sum(map(up, self.trainers)), sum(map(up, self.shards))
 
     def placement(self) -> dict:
         """Node id of every shard and trainer actor (for operators and tests)."""

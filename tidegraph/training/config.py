@@ -157,6 +157,9 @@ MEMORY_PLACEMENTS = ("auto", "replicated", "sharded")
 BACKENDS = ("local", "ray")
 
 
+FAULT_POINTS = ("forward", "allreduce", "after_step")
+
+
 @dataclass(kw_only=True)
 class ClusterConfig:
     """Shards and trainers: P graph shards, W data-parallel trainers (DESIGN.md)."""
@@ -183,10 +186,31 @@ class ClusterConfig:
     # cut a step's batch at equal estimated sampled edges when even slices' estimates differ
     # by more than this (heaviest over mean, minus 1); None: always even slices
     rebalance_tolerance: float | None = 0.1
+    # trainers lost mid-run are replaced from a surviving replica (no rollback), at most this
+    # many times in a run
+    max_recoveries: int = 100
+    # faults to inject (tests, drills): [{"trainer": w, "step": s, "at": "forward" |
+    # "allreduce" | "after_step"}]: trainer w's process kills itself (SIGKILL) at that
+    # point of its training step s (counted from 0 over the run); "incarnation": k targets
+    # the rank's k-th replacement (default 0, the first trainer)
+    faults: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(f"cluster.backend must be one of {BACKENDS}, got {self.backend!r}")
+        for i, fault in enumerate(self.faults):
+            keys = set(fault) if isinstance(fault, dict) else set()
+            if (not {"trainer", "step", "at"} <= keys <= {"trainer", "step", "at", "incarnation"}
+                    or fault["at"] not in FAULT_POINTS):  # fmt: skip
+                raise ValueError(
+                    f"cluster.faults[{i}] must be {{trainer: int, step: int, at: one of "
+                    f"{FAULT_POINTS}, incarnation: int (optional, default 0: the rank's "
+                    f"first trainer)}}, got {fault!r}"
+                )
+        if int(self.max_recoveries) != self.max_recoveries or self.max_recoveries < 0:
+            raise ValueError(
+                f"cluster.max_recoveries must be an integer >= 0, got {self.max_recoveries}"
+            )
         for name in ("trainers", "shards"):
             value = getattr(self, name)
             if int(value) != value or value < 1:

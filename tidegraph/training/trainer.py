@@ -76,6 +76,7 @@ class TrainerCore:
                 device=self.device,
             )  # fmt: skip
         self.new_optimizer()
+        self.steps = 0  # training steps taken in a group (`train_and_step`)
         t = config.train
         self.train_negatives, self.eval_negatives = t.train_negatives, t.eval_negatives
         self.eval_max_roots = t.eval_max_roots
@@ -137,8 +138,8 @@ class TrainerCore:
     ) -> SliceResult:
         """Gradient of this slice's share of the global-batch loss; its first `num_observe`
         events are new in time order and are recorded in node state. `exchange`, if given,
-        is called with the node-state updates before backward, and what it returns is the
-        result's "updates"."""
+        is called with the loss and the node-state updates before backward, and what it
+        returns is the result's "updates"."""
         if not self.model.training:  # Module.train() walks every submodule: once per pass
             self.model.train()
         observe = ev.select(slice(0, num_observe)) if num_observe else None
@@ -161,7 +162,7 @@ class TrainerCore:
         updates = self.model.take_updates(observe)
         t1 = time.perf_counter()
         if exchange is not None:
-            updates = exchange(updates)
+            updates = exchange(float(loss.detach()), updates)
         self.seconds["apply"] += t1 - t0
         self.seconds["exchange"] += time.perf_counter() - t1
         t0 = time.perf_counter()
@@ -185,27 +186,37 @@ class TrainerCore:
         """A whole data-parallel step in a group of trainers: this slice's gradient, summed
         over the group by `collective` (an empty slice contributes zeros), then the optimizer
         step. Returns the slice's loss and node-state updates; `apply_updates` with every
-        slice's updates completes the step. With `gather`, the updates of every slice (in
-        rank order) are returned instead, exchanged over `collective` during backward."""
+        slice's updates completes the step. With `gather`, the batch's loss (the slices'
+        losses summed in rank order) and the updates of every slice (in rank order) are
+        returned instead, exchanged over `collective` during backward.
+
+        Every collective of the step finishes before anything of this replica changes (the
+        optimizer step comes last): a replica whose group fails mid-step keeps the state of
+        the step before, one that returned holds the whole step (see `recovery`)."""
         exchange = None
         if gather:
-            exchange = lambda u: collective.all_gather_tensors_async(u, self.device)  # noqa: E731
+            exchange = lambda loss, u: collective.all_gather_tensors_async(  # noqa: E731
+                (loss, u), self.device
+            )
         if len(ev):
             result = self.train_slice(ev, weight, neg_BQ, num_observe, global_size, exchange)
             loss, updates = result["loss"], result["updates"]
         else:
             self.optimizer.zero_grad()
-            loss, updates = 0.0, None if exchange is None else exchange(None)
+            loss, updates = 0.0, None if exchange is None else exchange(0.0, None)
         t0 = time.perf_counter()
         collective.allreduce_sum_(self.optimizer.flat_grad)
         t1 = time.perf_counter()
-        self.optimizer.step()
-        t2 = time.perf_counter()
         if gather:
-            updates = updates.wait()
+            parts = updates.wait()
+            loss = float(sum(part[0] for part in parts))
+            updates = [part[1] for part in parts]
+        t2 = time.perf_counter()
+        self.optimizer.step()
         self.seconds["allreduce"] += t1 - t0
-        self.seconds["optimizer"] += t2 - t1
-        self.seconds["exchange"] += time.perf_counter() - t2
+        self.seconds["exchange"] += t2 - t1
+        self.seconds["optimizer"] += time.perf_counter() - t2
+        self.steps += 1
         return loss, updates
 
     def apply(self, reduced_grad: torch.Tensor, updates: list) -> None:
@@ -254,6 +265,12 @@ class TrainerCore:
             self.model.apply_updates(updates)
         self.seconds["apply"] += time.perf_counter() - t0
 
+    def abort_step(self) -> None:
+        """Forget a step that failed midway (its group lost a member): the forward pass's
+        pending node-state rows and the gradient; the state of the last whole step stays."""
+        self.model.discard()
+        self.optimizer.zero_grad()
+
     def take_seconds(self) -> dict[str, float]:
         """Seconds per step phase since the last call (and start counting anew)."""
         out, self.seconds = dict(self.seconds), defaultdict(float)
@@ -299,6 +316,7 @@ class TrainerCore:
         cache = self.edge_cache
         return {
             "rank": self.rank,
+            "steps": self.steps,
             "model": self.model_state(),
             "optimizer": self.optimizer.state_dict(),
             "edge_cache": None if cache is None else cache.state_dict(),
@@ -318,6 +336,7 @@ class TrainerCore:
         if params != self._param_ids():
             self.new_optimizer()
         self.optimizer.load_state_dict(state["optimizer"])
+        self.steps = state.get("steps", 0)
         if self.edge_cache is not None:
             self.edge_cache.store.load_state_dict(state["features"])
             self.edge_cache.load_state_dict(state["edge_cache"])

@@ -1,0 +1,129 @@
+"""Trainer recovery on Ray: a lost trainer is replaced from a surviving replica, with no
+rollback, and the run ends exactly where a fault-free run ends."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+
+from tidegraph.orchestrator.ray_group import NoReplicaLeft, RayGroup
+from tidegraph.runtime import set_determinism
+from tidegraph.training import ContinualLearner, RunConfig, load_stream
+
+sys.path.insert(0, str(Path(__file__).parent))
+import reference_run  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def wiki():
+    return load_stream("wikipedia", 1500)
+
+
+def config(faults=(), trainers: int = 2, shards: int = 2) -> RunConfig:
+    raw = reference_run.reference_config("tgn")
+    raw["model"]["slot_precision"] = "fp32"
+    raw["train"]["batch_size"] = 50  # more steps per pass
+    raw["cluster"] = {"backend": "ray", "trainers": trainers, "shards": shards,
+                      "faults": list(faults)}  # fmt: skip
+    raw["run_name"] = "tidegraph-recovery-test"
+    return RunConfig.from_dict(raw)
+
+
+def run(cfg: RunConfig, stream, during=None) -> dict:
+    """The whole run; `during(learner)` is started in a thread once the group is up."""
+    set_determinism(7, threads=1)
+    learner = ContinualLearner(cfg, stream)
+    thread = None
+    if during is not None:
+        thread = threading.Thread(target=during, args=(learner,), daemon=True)
+        thread.start()
+    try:
+        learner.run_phase1()
+        while not learner.done:
+            learner.step()
+        return {
+            "model": learner.group.model_state(),
+            "history": learner.history,
+            "steps": learner.cursor.step,
+            "trainer_steps": learner.group._all("__getattribute__", "steps"),
+            "recoveries": list(learner.group.recoveries),
+            "shard_events": learner.group.report(stream.events.src, stream.events.dst),
+        }
+    finally:
+        if thread is not None:
+            thread.join(timeout=60)
+        learner.group.shutdown()
+
+
+@pytest.fixture(scope="module")
+def fault_free(ray_session, wiki):
+    return run(config(), wiki)
+
+
+METRICS = ("ap", "auc", "mrr", "old_ap", "loss", "val_ap", "replayed")
+
+
+def assert_same_run(got: dict, want: dict) -> None:
+    assert got["steps"] == want["steps"]
+    assert got["model"].keys() == want["model"].keys()
+    for key, value in want["model"].items():
+        assert torch.equal(got["model"][key], value), key
+    for a, b in zip(got["history"], want["history"], strict=True):
+        assert {k: a[k] for k in METRICS if k in a} == {k: b[k] for k in METRICS if k in b}
+    assert got["shard_events"]["shard_events"] == want["shard_events"]["shard_events"]
+
+
+@pytest.mark.parametrize(("at", "done"), [("forward", 3), ("allreduce", 3), ("after_step", 4)])
+def test_a_trainer_dying_in_a_step_is_replaced_from_a_replica_bitwise(
+    ray_session, wiki, fault_free, at, done
+):
+    got = run(config([{"trainer": 1, "step": 3, "at": at}]), wiki)
+    (event,) = got["recoveries"]
+    assert event["lost"] == [1] and event["source"] == 0
+    assert event["steps_done"] == done  # the survivor's whole steps: none is repeated
+    assert got["trainer_steps"] == [fault_free["steps"]] * 2
+    assert_same_run(got, fault_free)
+
+
+def test_two_failures_in_a_row_the_second_of_a_replacement_source(ray_session, wiki, fault_free):
+    faults = [
+        {"trainer": 1, "step": 2, "at": "forward"},
+        {"trainer": 0, "step": 9, "at": "allreduce"},
+    ]  # noqa: E501
+    got = run(config(faults), wiki)
+    assert [(e["lost"], e["source"]) for e in got["recoveries"]] == [([1], 0), ([0], 1)]
+    assert [e["generation"] for e in got["recoveries"]] == [1, 2]
+    assert_same_run(got, fault_free)
+
+
+def test_a_trainer_sigkilled_from_outside_mid_pass_is_replaced(ray_session, wiki, fault_free):
+    def kill_trainer_1(learner) -> None:
+        group = learner.group
+        pid = ray.get(group.trainers[1].pid.remote())
+        for _ in range(6000):  # bounded: until training has made some progress
+            if ray.get(group.coordinator.progress.remote()) >= 4:
+                os.kill(pid, signal.SIGKILL)
+                return
+            time.sleep(0.005)
+
+    default, RayGroup.progress_s = RayGroup.progress_s, 0.01  # trainers report steps often
+    try:
+        got = run(config(), wiki, during=kill_trainer_1)
+    finally:
+        RayGroup.progress_s = default
+    assert [e["lost"] for e in got["recoveries"]] == [[1]]
+    assert_same_run(got, fault_free)
+
+
+def test_losing_every_trainer_at_once_is_no_replica_left(ray_session, wiki):
+    faults = [{"trainer": w, "step": 3, "at": "forward"} for w in (0, 1)]
+    with pytest.raises(NoReplicaLeft, match="all 2 trainers were lost"):
+        run(config(faults), wiki)
