@@ -105,18 +105,9 @@ def test_two_failures_in_a_row_the_second_of_a_replacement_source(ray_session, w
 
 
 def test_a_trainer_sigkilled_from_outside_mid_pass_is_replaced(ray_session, wiki, fault_free):
-    def kill_trainer_1(learner) -> None:
-        group = learner.group
-        pid = ray.get(group.trainers[1].pid.remote())
-        for _ in range(6000):  # bounded: until training has made some progress
-            if ray.get(group.coordinator.progress.remote()) >= 4:
-                os.kill(pid, signal.SIGKILL)
-                return
-            time.sleep(0.005)
-
     default, RayGroup.progress_s = RayGroup.progress_s, 0.01  # trainers report steps often
     try:
-        got = run(config(), wiki, during=kill_trainer_1)
+        got = run(config(), wiki, during=kill_when(4, lambda g: g.trainers[1]))
     finally:
         RayGroup.progress_s = default
     assert [e["lost"] for e in got["recoveries"]] == [[1]]
@@ -127,3 +118,30 @@ def test_losing_every_trainer_at_once_is_no_replica_left(ray_session, wiki):
     faults = [{"trainer": w, "step": 3, "at": "forward"} for w in (0, 1)]
     with pytest.raises(NoReplicaLeft, match="all 2 trainers were lost"):
         run(config(faults), wiki)
+
+
+def kill_when(progress: int, actor_of):
+    """A `during` for `run`: SIGKILL the process of `actor_of(group)` once trainers report
+    `progress` steps of a pass."""
+
+    def during(learner) -> None:
+        group = learner.group
+        pid = ray.get(actor_of(group).pid.remote())
+        for _ in range(6000):  # bounded: until training has made some progress
+            if ray.get(group.coordinator.progress.remote()) >= progress:
+                os.kill(pid, signal.SIGKILL)
+                return
+            time.sleep(0.005)
+
+    return during
+
+
+def test_a_shard_sigkilled_mid_pass_is_rebuilt_from_the_log_exactly(ray_session, wiki, fault_free):
+    default, RayGroup.progress_s = RayGroup.progress_s, 0.01
+    try:
+        got = run(config(), wiki, during=kill_when(4, lambda g: g.shards[1]))
+    finally:
+        RayGroup.progress_s = default
+    rebuilt = [e for e in got["recoveries"] if "events" in e]
+    assert [e["lost_shards"] for e in rebuilt] == [[1]]
+    assert_same_run(got, fault_free)  # including every shard's event count

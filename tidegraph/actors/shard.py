@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import ray
 
 from tidegraph.actors.segments import SegmentPublisher
@@ -28,6 +30,9 @@ class _Shard(ShardCore):
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
+
+    def pid(self) -> int:
+        return os.getpid()
 
     def apply_state_of(self, *updates) -> None:
         """`apply_state` with each slice's updates as an argument (object refs resolve)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -41,9 +42,9 @@ class _Trainer:
         here = ray.get_runtime_context().get_node_id()
         nodes = ray.get([h.node_id.remote() for h in shards])
         self.views = {
-            p: SegmentView(self.config.sampler.strategy, seed_for(self.config.seed, "sampler", p))
-            for p, node in enumerate(nodes) if node == here and c.local_sampling
+            p: self._view(p) for p, node in enumerate(nodes) if node == here and c.local_sampling
         }  # fmt: skip
+        self.proxies = proxies
         hop_samplers = [self.views.get(p, proxy) for p, proxy in enumerate(proxies)]
         self.core = build_trainer(
             self.config, rank, proxies, self.partitioner.owner, num_nodes, edge_dim, sharded,
@@ -71,6 +72,21 @@ class _Trainer:
             return last
         self.coordinator.report.remote(steps)
         return now
+
+    def _view(self, part: int) -> SegmentView:
+        return SegmentView(self.config.sampler.strategy,
+                           seed_for(self.config.seed, "sampler", part))  # fmt: skip
+
+    def replace_shard(self, part: int, handle) -> None:
+        """Use the rebuilt shard `part` (`handle`): requests go to it, and it is sampled in
+        place when it lives on this node (its segments arrive with the next `ingested`)."""
+        self.proxies[part].handle = handle
+        here = ray.get_runtime_context().get_node_id()
+        if ray.get(handle.node_id.remote()) == here and self.config.cluster.local_sampling:
+            self.views[part] = self._view(part)
+        else:
+            self.views.pop(part, None)
+        self.core.sampler.shards[part] = self.views.get(part, self.proxies[part])
 
     def ingested(
         self, num_nodes: int, num_rows: int, partition: dict | None, segments: list | None = None
@@ -104,15 +120,16 @@ class _Trainer:
             self.core.apply_updates(list(before))
         self.pass_results, reported = [], time.monotonic()
         gather = self.world > 1
-        for ev, weight, neg, num_observe, global_size in slices:
-            collective = self._armed(self.collective)
-            loss, updates = self.core.train_and_step(
-                ev, weight, neg, num_observe, global_size, collective, gather
-            )
-            self.core.apply_updates(updates if gather else [updates])
-            self._fault("after_step", self.core.steps - 1)
-            self.pass_results.append(loss)
-            reported = self._progress(len(self.pass_results), reported)
+        with self._leaving_on_error():
+            for ev, weight, neg, num_observe, global_size in slices:
+                collective = self._armed(self.collective)
+                loss, updates = self.core.train_and_step(
+                    ev, weight, neg, num_observe, global_size, collective, gather
+                )
+                self.core.apply_updates(updates if gather else [updates])
+                self._fault("after_step", self.core.steps - 1)
+                self.pass_results.append(loss)
+                reported = self._progress(len(self.pass_results), reported)
         return self.pass_results if self.rank == 0 else None
 
     def eval_pass(self, slices: list, observe: bool, *before) -> list | None:
@@ -122,17 +139,30 @@ class _Trainer:
         if before:
             self.core.apply_updates(list(before))
         self.pass_results, reported = [], time.monotonic()
-        for ev, neg in slices:
-            if len(ev):
-                pos, negl, updates = self.core.eval_slice(ev, neg, observe)
-            else:
-                pos, negl, updates = None, None, None
-            parts = self._gather((pos, negl, updates))
-            if observe:
-                self.core.apply_updates([u for _, _, u in parts])
-            self.pass_results.append(_scores(parts))
-            reported = self._progress(len(self.pass_results), reported)
+        with self._leaving_on_error():
+            for ev, neg in slices:
+                if len(ev):
+                    pos, negl, updates = self.core.eval_slice(ev, neg, observe)
+                else:
+                    pos, negl, updates = None, None, None
+                parts = self._gather((pos, negl, updates))
+                if observe:
+                    self.core.apply_updates([u for _, _, u in parts])
+                self.pass_results.append(_scores(parts))
+                reported = self._progress(len(self.pass_results), reported)
         return self.pass_results if self.rank == 0 else None
+
+    @contextlib.contextmanager
+    def _leaving_on_error(self):
+        """A step that fails here (a shard lost mid-request, say) leaves the trainer group,
+        so the peers waiting for it in a collective fail at once instead of at the timeout;
+        the driver rebuilds the group when it recovers."""
+        try:
+            yield
+        except BaseException:
+            if self.collective is not None:
+                self.collective.close()
+            raise
 
     def _fault(self, at: str, step: int) -> None:
         """Die here if `cluster.faults` says so (SIGKILL: no cleanup, like a lost node)."""

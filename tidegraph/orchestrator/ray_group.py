@@ -35,6 +35,7 @@ from tidegraph.storage.partition import build_partitioner, partition_report
 from tidegraph.training.balance import SliceBalancer
 from tidegraph.training.group import check_placement, choose_memory_placement, state_row_bytes
 from tidegraph.training.schedule import train_slices
+from tidegraph.training.shard import route_batch
 
 __all__ = ["NoReplicaLeft", "PlacementTimeout", "RayGroup"]
 
@@ -122,6 +123,8 @@ class RayGroup:
         self.memory_placement = choose_memory_placement(c, expected, row_bytes)
         self.sharded = self.memory_placement == "sharded" and row_bytes > 0
         self.num_rows = 0
+        self.ingests: list[tuple] = []  # (lo, hi, feature-rounding state) of every ingest
+        self.replay_source = None  # (lo, hi) -> the stream's events [lo, hi)
         self.recoveries: list[dict] = []  # one record per trainer recovery
         self.recoveries_left = config.cluster.max_recoveries
         self._inflight: collections.deque[PendingLoss] = collections.deque()
@@ -148,20 +151,8 @@ class RayGroup:
         raw = config.to_dict()
         opts = dict(namespace=self.namespace, lifetime=None)
         self.coordinator = CoordinatorActor.options(name="tidegraph-coordinator", **opts).remote()
-        self.shards = [
-            GraphShardActor.options(
-                name=f"tidegraph-shard-{p}", num_cpus=c.shard_cpus, **opts,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.shard_pg, p),
-            ).remote(
-                self._runtime(p), p, c.shards, edge_dim=edge_dim,
-                feature_precision=config.data.feature_precision,
-                strategy=config.sampler.strategy, seed=seed_for(config.seed, "sampler", p),
-                feature_seed=seed_for(config.seed, "features", p),
-                graph_device=config.graph_device, pin_memory=cuda,
-                state_model=self._state_model(edge_dim) if self.sharded else None,
-            )
-            for p in range(c.shards)
-        ]  # fmt: skip
+        self._shard_args = (edge_dim, cuda)
+        self.shards = [self._new_shard(p) for p in range(c.shards)]
         self._trainer_args = (raw, edge_dim, cuda)
         self.num_nodes = num_nodes
         self.incarnations = [0] * c.trainers  # replacements of each rank so far
@@ -172,6 +163,23 @@ class RayGroup:
         log.info(
             "ray group up: %d shards, %d trainers in namespace %r, node state %s",
             c.shards, c.trainers, self.namespace, self.memory_placement,
+        )  # fmt: skip
+
+    def _new_shard(self, p: int):
+        """Shard actor of partition `p`, in its bundle of the shards' placement group."""
+        config, c = self.config, self.config.cluster
+        edge_dim, cuda = self._shard_args
+        return GraphShardActor.options(
+            name=f"tidegraph-shard-{p}", num_cpus=c.shard_cpus, namespace=self.namespace,
+            lifetime=None,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self.shard_pg, p),
+        ).remote(
+            self._runtime(p), p, c.shards, edge_dim=edge_dim,
+            feature_precision=config.data.feature_precision,
+            strategy=config.sampler.strategy, seed=seed_for(config.seed, "sampler", p),
+            feature_seed=seed_for(config.seed, "features", p),
+            graph_device=config.graph_device, pin_memory=cuda,
+            state_model=self._state_model(edge_dim) if self.sharded else None,
         )  # fmt: skip
 
     def _new_trainer(self, w: int, placed: bool = True):
@@ -242,14 +250,20 @@ class RayGroup:
 
     # ---- ingest -----------------------------------------------------------------------------
 
-    def ingest(self, events: EventBatch, num_nodes: int) -> None:
-        from tidegraph.training.shard import route_batch
-
+    def ingest(self, events: EventBatch, num_nodes: int, span: tuple | None = None) -> None:
+        """Route `events` to the shards. `span`: their [lo, hi) positions in the stream, kept
+        (with the feature-rounding stream's state) so that a lost shard can be rebuilt by
+        routing the same batches again (`replay_source` reads them back)."""
         self.drain()  # steps under way read the shards: they finish before shards change
-        precision = self.config.data.feature_precision
-        pieces = route_batch(self.partitioner, events, precision, self.feature_gen)
+        if span is not None:
+            self.ingests.append((int(span[0]), int(span[1]), self.feature_gen.get_state()))
+        pieces = route_batch(self.partitioner, events, self.config.data.feature_precision,
+                             self.feature_gen)  # fmt: skip
         self.balancer.ingest(events)
-        ray.get([s.ingest.remote(piece) for s, piece in zip(self.shards, pieces, strict=True)])
+        try:
+            ray.get([s.ingest.remote(x) for s, x in zip(self.shards, pieces, strict=True)])
+        except ray.exceptions.RayActorError as exc:  # survivors have it; rebuilt ones too
+            self._recover_shards(exc)
         if len(events):
             self.num_rows = max(self.num_rows, int(events.eid.max()) + 1)
         self.num_nodes = max(self.num_nodes, num_nodes)
@@ -368,8 +382,11 @@ class RayGroup:
         when no trainer was lost (the failure is not a lost member) or none survived."""
         t0 = time.perf_counter()
         lost = self._probe()
-        if not lost:
+        lost_shards = self._probe_shards()
+        if not lost and not lost_shards:
             raise cause
+        if lost_shards:
+            self._recover_shards(cause, lost_shards)
         if len(lost) == len(self.trainers):
             raise NoReplicaLeft(
                 f"all {len(lost)} trainers were lost; no replica to recover from"
@@ -393,7 +410,8 @@ class RayGroup:
         ray.get([self.trainers[w].load_replica.remote(state) for w in behind])
         self._connect()
         event = {
-            "lost": lost, "source": source, "steps_done": done, "copied_to": sorted(behind),
+            "lost": lost, "lost_shards": lost_shards, "source": source, "steps_done": done,
+            "copied_to": sorted(behind),
             "generation": self.generation, "seconds": time.perf_counter() - t0,
             "cause": type(cause).__name__,
         }  # fmt: skip
@@ -404,6 +422,64 @@ class RayGroup:
             event["seconds"],
         )  # fmt: skip
         return reports[source]["results"]
+
+    def _probe_shards(self) -> list[int]:
+        """Partitions whose shard actor is dead or does not answer within `probe_s`."""
+        refs = [s.ping.remote() for s in self.shards]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.probe_s)
+        lost = []
+        for p, ref in enumerate(refs):
+            try:
+                if ref not in ready:
+                    raise TimeoutError
+                ray.get(ref)
+            except (ray.exceptions.RayActorError, TimeoutError):
+                ray.kill(self.shards[p])  # a hung one, or free a dead one's name
+                lost.append(p)
+        return lost
+
+    def _recover_shards(self, cause: Exception, lost: list[int] | None = None) -> None:
+        """Rebuild lost shards by routing every batch ingested so far again (the same
+        batches, the same feature rounding): each gets exactly the events the log holds for
+        its partition, checked by count. Trainers are pointed at the new actors."""
+        lost = self._probe_shards() if lost is None else lost
+        if not lost:
+            raise cause
+        if self.sharded:
+            raise RuntimeError(
+                f"shards {lost} were lost with the node state they own (cluster.memory "
+                "'sharded'); it cannot be rebuilt from the event log: resume the run from "
+                "its last checkpoint"
+            ) from cause
+        if self.replay_source is None:
+            raise RuntimeError(f"shards {lost} were lost and no replay source is set") from cause
+        t0 = time.perf_counter()
+        for p in lost:
+            self.shards[p] = self._new_shard(p)
+        expected = dict.fromkeys(lost, 0)
+        gen = torch.Generator()
+        calls = []
+        for lo, hi, state in self.ingests:
+            gen.set_state(state)
+            events = self.replay_source(lo, hi)
+            pieces = route_batch(self.partitioner, events, self.config.data.feature_precision,
+                                 gen)  # fmt: skip
+            for p in lost:
+                expected[p] += pieces[p].num_events
+                calls.append(self.shards[p].ingest.remote(pieces[p]))
+        ray.get(calls)
+        held = {p: ray.get(self.shards[p].report.remote())["events"] for p in lost}
+        if held != expected:
+            raise RuntimeError(f"rebuilt shards hold {held} events, the log has {expected}")
+        ray.get([t.replace_shard.remote(p, self.shards[p]) for t in self.trainers
+                 for p in lost])  # fmt: skip
+        self._refresh(self.num_nodes)
+        log.warning(
+            "shard recovery: rebuilt %s from %d logged batches (%s events); %.2f s",
+            lost, len(self.ingests), held, time.perf_counter() - t0,
+        )  # fmt: skip
+        self.recoveries.append({"lost_shards": lost, "events": held,
+                                "seconds": time.perf_counter() - t0})  # fmt: skip
 
     def _wait_pass(self, refs: list, progress) -> list:
         """The trainers' results of a pass; meanwhile `progress` gets the steps trainer 0
@@ -563,6 +639,7 @@ class RayGroup:
             "partitioner": self.partitioner.state_dict(),
             "feature_gen": self.feature_gen.get_state(),
             "balancer": self.balancer.state_dict(),
+            "ingests": list(self.ingests),
             "shards": ray.get([s.state_dict.remote() for s in self.shards]),
             "trainers": self._all("state_dict"),
         }
@@ -574,6 +651,7 @@ class RayGroup:
         self.partitioner.load_state_dict(state["partitioner"])
         load_generator_state(self.feature_gen, state["feature_gen"], "feature rounding")
         self.balancer.load_state_dict(state["balancer"])
+        self.ingests = list(state["ingests"])
         ray.get([s.load_state_dict.remote(x) for s, x in zip(self.shards, state["shards"],
                                                              strict=True)])  # fmt: skip
         ray.get([t.call.remote("load_state_dict", x) for t, x in zip(self.trainers,

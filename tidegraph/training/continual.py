@@ -84,6 +84,9 @@ class ContinualLearner:
         # state by the stream's node count
         make = group or _backend(config.cluster.backend)
         self.group = make(config, 0, self.stream.edge_dim, expected_nodes=self.stream.num_nodes)
+        # a group that rebuilds lost shards routes the stream's batches again (the durable
+        # log holds the same events; this learner reads them from its stream)
+        self.group.replay_source = lambda lo, hi: self.events.select(slice(lo, hi))
         self.num_nodes = 0  # one past the largest node id ingested
         self.slot_precision = resolved_slot_precision(config.model.slot_precision, self.device)
         log.info("attention slot projections in %s on %s", self.slot_precision, self.device)
@@ -447,7 +450,7 @@ class ContinualLearner:
         if len(ev):
             top = int(torch.maximum(ev.src.max(), ev.dst.max())) + 1
             self.num_nodes = max(self.num_nodes, top)
-        self.group.ingest(ev, self.num_nodes)
+        self.group.ingest(ev, self.num_nodes, span=(lo, end))
         self.negatives.add(ev.dst)
         self.cursor.ingested = end
 

@@ -108,8 +108,10 @@ class LocalGroup:
 
     # ---- ingest -----------------------------------------------------------------------------
 
-    def ingest(self, events: EventBatch, num_nodes: int) -> None:
-        """Route events to their shards (both endpoints' owners), grow trainers' node tables."""
+    def ingest(self, events: EventBatch, num_nodes: int, span: tuple | None = None) -> None:
+        """Route events to their shards (both endpoints' owners), grow trainers' node tables.
+        (`span`, the events' positions in the stream, matters to groups that can lose a
+        shard; in one process none is lost.)"""
         precision = self.config.data.feature_precision
         pieces = route_batch(self.partitioner, events, precision, self.feature_gen)
         self.balancer.ingest(events)
