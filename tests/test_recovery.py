@@ -14,7 +14,10 @@ import pytest
 import ray
 import torch
 
-from tidegraph.orchestrator.ray_group import NoReplicaLeft, RayGroup
+from tidegraph.orchestrator import Orchestrator, RunState
+from tidegraph.orchestrator.ray_group import RayGroup
+from tidegraph.orchestrator.rundir import RunDir
+from tidegraph.recovery import NoReplicaLeft
 from tidegraph.runtime import set_determinism
 from tidegraph.training import ContinualLearner, RunConfig, load_stream
 
@@ -114,7 +117,32 @@ def test_a_trainer_sigkilled_from_outside_mid_pass_is_replaced(ray_session, wiki
     assert_same_run(got, fault_free)
 
 
-def test_losing_every_trainer_at_once_is_no_replica_left(ray_session, wiki):
+def test_losing_every_trainer_restarts_the_group_from_the_last_checkpoint(
+    ray_session, wiki, fault_free, tmp_path
+):
+    """No replica left: the orchestrator starts a new group from the newest checkpoint (after
+    the previous increment) and computes the steps since it again, to the same end."""
+    late = fault_free["steps"] - 2  # in the last increment's retraining
+    cfg = config([{"trainer": w, "step": late, "at": "forward"} for w in (0, 1)])
+    cfg.checkpoint_every = 1
+    set_determinism(7, threads=1)
+    orchestrator = Orchestrator(cfg, wiki, run_dir=RunDir(str(tmp_path), "restart"))
+    try:
+        for _ in range(200):  # bounded
+            if orchestrator.step() in (RunState.FINISHED, RunState.ERRORED):
+                break
+        assert orchestrator.state is RunState.FINISHED, orchestrator.error
+        assert orchestrator.restarts == 1
+        learner = orchestrator.learner
+        got = {"model": learner.group.model_state(), "history": learner.history,
+               "steps": learner.cursor.step,
+               "shard_events": learner.group.report(wiki.events.src, wiki.events.dst)}  # fmt: skip
+    finally:
+        orchestrator.close()
+    assert_same_run(got, fault_free)
+
+
+def test_losing_every_trainer_without_a_checkpoint_is_no_replica_left(ray_session, wiki):
     faults = [{"trainer": w, "step": 3, "at": "forward"} for w in (0, 1)]
     with pytest.raises(NoReplicaLeft, match="all 2 trainers were lost"):
         run(config(faults), wiki)

@@ -29,6 +29,7 @@ import json
 import logging
 from collections.abc import Callable
 
+from tidegraph.recovery.policy import NoReplicaLeft
 from tidegraph.storage.events import EventBatch
 from tidegraph.training.continual import ContinualLearner
 from tidegraph.training.data import Stream, stream_of
@@ -80,12 +81,17 @@ class Orchestrator:
         self.learner: ContinualLearner | None = None
         self.result: dict | None = None
         self.error: BaseException | None = None
+        self.restarts = 0  # from a checkpoint, after every trainer was lost
 
     def step(self) -> RunState:
         if self.state in TERMINAL:
             return self.state
         try:
             self.state = self._advance()
+        except NoReplicaLeft as exc:
+            if not self._restart(exc):
+                log.error("run failed in state %s: %s", self.state.value, exc)
+                self.error, self.state = exc, RunState.ERRORED
         except Exception as exc:  # the run fails as a whole; the error is reported, not lost
             log.error("run failed in state %s: %s", self.state.value, exc)
             self.error = exc
@@ -100,6 +106,27 @@ class Orchestrator:
         if self.state is RunState.ERRORED:
             raise self.error
         return self.result
+
+    def _restart(self, cause: NoReplicaLeft) -> bool:
+        """No trainer replica is left: start a new group from the newest checkpoint (the
+        steps since it are computed again), as a resubmitted job would. False when there is
+        no checkpoint to start from or the restart budget is spent."""
+        if self.run_dir is None or self.run_dir.latest_name() is None:
+            return False
+        if self.restarts >= self.config.cluster.max_recoveries:
+            return False
+        self.restarts += 1
+        log.warning(
+            "%s: restarting from checkpoint %s (restart %d); the steps since it run again",
+            cause, self.run_dir.latest_name(), self.restarts,
+        )  # fmt: skip
+        self.close()
+        self.learner, self.resume = None, True
+        if self.config.cluster.faults:
+            log.warning("injected faults (cluster.faults) apply to the first group only")
+            self.config.cluster.faults = []
+        self.state = RunState.SCHEDULING
+        return True
 
     def close(self) -> None:
         if self.learner is not None:

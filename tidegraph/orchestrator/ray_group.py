@@ -29,6 +29,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from tidegraph.actors import CoordinatorActor, GraphShardActor, TrainerActor
+from tidegraph.recovery.policy import NoReplicaLeft, plan_trainer_recovery
 from tidegraph.rng import load_generator_state, seed_for, stream
 from tidegraph.storage.events import EventBatch
 from tidegraph.storage.partition import build_partitioner, partition_report
@@ -85,10 +86,6 @@ class PendingLoss:
 
 class PlacementTimeout(RuntimeError):
     """The cluster did not offer the resources a group needs within the wait."""
-
-
-class NoReplicaLeft(RuntimeError):
-    """Every trainer was lost at once: recovery must start from the last checkpoint."""
 
 
 class RayGroup:
@@ -373,13 +370,13 @@ class RayGroup:
         return lost
 
     def recover(self, cause: Exception) -> list:
-        """Bring the trainer group back after `cause` (a failed pass): replace every lost
-        trainer by a copy of the survivor that finished the most steps of the pass, bring
-        survivors that finished fewer to it, rebuild the group on a new generation. No
-        checkpoint is read and no finished step is repeated: a survivor's last whole step
-        is the group's (its all-reduce and update exchange completed, so it holds every
-        slice's share). Returns that survivor's results of the pass so far; raises `cause`
-        when no trainer was lost (the failure is not a lost member) or none survived."""
+        """Bring the group back after `cause` (a failed pass): rebuild lost shards, replace
+        every lost trainer by a copy of the survivor that finished the most steps of the
+        pass and bring survivors that finished fewer to it (`recovery.policy`), rebuild the
+        trainer group on a new generation. No checkpoint is read and no finished step is
+        repeated. Returns the source's results of the pass so far; raises `cause` when
+        nothing was lost (the failure is not a lost member), `NoReplicaLeft` when no
+        trainer survived."""
         t0 = time.perf_counter()
         lost = self._probe()
         lost_shards = self._probe_shards()
@@ -399,14 +396,14 @@ class RayGroup:
         alive = [w for w in range(len(self.trainers)) if w not in lost]
         reports = dict(zip(alive, ray.get([self.trainers[w].recovery_report.remote()
                                            for w in alive]), strict=True))  # fmt: skip
-        source = max(alive, key=lambda w: (reports[w]["done"], -w))
-        done = reports[source]["done"]
+        plan = plan_trainer_recovery(len(self.trainers), lost,
+                                     {w: r["done"] for w, r in reports.items()})  # fmt: skip
+        source, done, behind = plan.source, plan.steps_done, list(plan.copy_to)
         state = self.trainers[source].replica_state.remote()
-        for w in lost:
+        for w in plan.replace:
             self.incarnations[w] += 1
             self.trainers[w] = self._new_trainer(w)
-        self._refresh(self.num_nodes, [self.trainers[w] for w in lost])
-        behind = lost + [w for w in alive if reports[w]["done"] < done]
+        self._refresh(self.num_nodes, [self.trainers[w] for w in plan.replace])
         ray.get([self.trainers[w].load_replica.remote(state) for w in behind])
         self._connect()
         event = {
