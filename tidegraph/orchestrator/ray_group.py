@@ -383,7 +383,7 @@ class RayGroup:
         if not lost and not lost_shards:
             raise cause
         if lost_shards:
-            self._recover_shards(cause, lost_shards)
+            self._recover_shards(cause, lost_shards, tuple(lost))
         if len(lost) == len(self.trainers):
             raise NoReplicaLeft(
                 f"all {len(lost)} trainers were lost; no replica to recover from"
@@ -435,10 +435,13 @@ class RayGroup:
                 lost.append(p)
         return lost
 
-    def _recover_shards(self, cause: Exception, lost: list[int] | None = None) -> None:
+    def _recover_shards(
+        self, cause: Exception, lost: list[int] | None = None, lost_trainers: tuple = ()
+    ) -> None:
         """Rebuild lost shards by routing every batch ingested so far again (the same
         batches, the same feature rounding): each gets exactly the events the log holds for
-        its partition, checked by count. Trainers are pointed at the new actors."""
+        its partition, checked by count. Trainers (but `lost_trainers`) are pointed at the
+        new actors."""
         lost = self._probe_shards() if lost is None else lost
         if not lost:
             raise cause
@@ -468,9 +471,9 @@ class RayGroup:
         held = {p: ray.get(self.shards[p].report.remote())["events"] for p in lost}
         if held != expected:
             raise RuntimeError(f"rebuilt shards hold {held} events, the log has {expected}")
-        ray.get([t.replace_shard.remote(p, self.shards[p]) for t in self.trainers
-                 for p in lost])  # fmt: skip
-        self._refresh(self.num_nodes)
+        live = [t for w, t in enumerate(self.trainers) if w not in lost_trainers]
+        ray.get([t.replace_shard.remote(p, self.shards[p]) for t in live for p in lost])
+        self._refresh(self.num_nodes, live)  # replacements of lost trainers get them new
         log.warning(
             "shard recovery: rebuilt %s from %d logged batches (%s events); %.2f s",
             lost, len(self.ingests), held, time.perf_counter() - t0,
