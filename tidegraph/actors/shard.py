@@ -53,8 +53,8 @@ class RemoteShard:
     def sample_hop(self, roots, t_hi, k, t_lo=None):
         return self.handle.sample_hop.remote(roots, t_hi, k, t_lo)
 
-    def fetch(self, eids):
-        return self.handle.fetch.remote(eids)
+    def fetch(self, eids, int8: bool = False):
+        return self.handle.fetch.remote(eids, int8)
 
     def read_state(self, ids, names=None):
         return self.handle.read_state.remote(ids, names)

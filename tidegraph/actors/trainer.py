@@ -61,7 +61,8 @@ class _Trainer:
         `coordinator`: where rank 0 reports a pass's progress, every `every_s` seconds."""
         self.report_s = every_s
         timeout = self.config.cluster.collective_timeout_s
-        self.collective = Collective(address, generation, self.rank, self.world, timeout)
+        self.collective = Collective(address, generation, self.rank, self.world, timeout,
+                                     comm=self.config.comm, seed=self.config.seed)  # fmt: skip
         self.coordinator = coordinator if self.rank == 0 else None
         return self.rank
 

@@ -7,6 +7,11 @@ joins a group over that store under the prefix of a membership generation
 store without stale keys. Every collective has an explicit timeout: a dead peer fails the call
 at once (gloo sees the closed socket), a hung one at the timeout; nothing waits unbounded.
 Backend: gloo on CPU, NCCL on CUDA tensors.
+
+Gradient compression (`comm:` in the run config): `allreduce_sum_` of a `GradientStep` (see
+`gradsync`) goes through the trainer's `GradSync` when `comm.compression` is not "none" and the
+group has more than one rank, through the exact fp32 all-reduce otherwise. Any other tensor is
+always summed exactly.
 """
 
 from __future__ import annotations
@@ -19,6 +24,9 @@ import socket
 
 import torch
 import torch.distributed as dist
+
+from tidegraph.comm.config import CommConfig
+from tidegraph.comm.gradsync import GradientStep, GradSync, compressing
 
 __all__ = ["Collective", "Gathering", "StoreHost"]
 
@@ -44,7 +52,10 @@ class StoreHost:
 
 
 class Collective:
-    """Rank `rank` of `world` in generation `generation`; `allreduce_sum_` in place."""
+    """Rank `rank` of `world` in generation `generation`; `allreduce_sum_` in place.
+
+    `comm`, `seed`: how gradients (`GradientStep`s) are compressed, and the run's seed that
+    the rounding streams derive from."""
 
     def __init__(
         self,
@@ -54,8 +65,11 @@ class Collective:
         world: int,
         timeout_s: float = 60.0,
         backend: str = "gloo",
+        comm: CommConfig | None = None,
+        seed: int = 0,
     ) -> None:
         self.rank, self.world, self.generation = rank, world, generation
+        self.comm, self.seed = comm, seed
         self.group = None
         if world == 1:
             return
@@ -70,10 +84,24 @@ class Collective:
         self.group = dist.group.WORLD
         log.info("rank %d of %d joined trainer group generation %d", rank, world, generation)
 
-    def allreduce_sum_(self, x: torch.Tensor) -> torch.Tensor:
-        if self.group is not None:
+    def allreduce_sum_(self, x: torch.Tensor | GradientStep) -> torch.Tensor | GradientStep:
+        """`x` summed over the group in place; a `GradientStep`'s flat gradient compressed as
+        `comm` says (its `sync` then holds the trainer's live `GradSync`). Returns `x`."""
+        if isinstance(x, GradientStep):
+            if compressing(self.comm, self.world):
+                x.sync = GradSync.restore(self.comm, self.seed, self.rank, x.sync)
+                x.sync.allreduce_(x.flat, x.step, x.sizes, self.group, self.world)
+                return x
+            self.allreduce_sum_(x.flat)
+        elif self.group is not None:
             dist.all_reduce(x, op=dist.ReduceOp.SUM, group=self.group)
         return x
+
+    def gradient(
+        self, flat: torch.Tensor, step: int, sizes=None, sync: GradSync | dict | None = None
+    ) -> GradientStep:
+        """A step's flat gradient for `allreduce_sum_` (see `GradientStep`)."""
+        return GradientStep(flat, step, sizes, sync)
 
     def all_gather_object(self, obj) -> list:
         """Every rank's `obj`, in rank order (pickled through the group)."""

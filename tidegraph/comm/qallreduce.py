@@ -40,13 +40,24 @@ exchanged before exact ones), instead of its peers waiting for the collective's 
 
 `ErrorFeedback` (optional) keeps what each rank's encoding dropped and, for the owner's
 re-quantization, what the second encoding dropped, and adds it to the next step's input.
+
+Randomness: the stochastic rounding of rank r at step s draws from its own stream seeded by
+(seed, r, s), not from one generator carried along: a trainer that replaces a lost rank (and
+knows the step) draws what the lost one would have drawn, so compression adds no state that
+recovery would have to copy from the lost process (error-feedback residuals aside).
+
+In one process: `allreduce_in_process_(reducers, flats, step)` runs W reducers in W threads
+over `Loopback`, an in-memory stand-in for the group's collectives (sums in rank order), so W
+in-process trainers compute exactly what W processes do, codes and all.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -66,7 +77,9 @@ from tidegraph.comm.quantize import (
 __all__ = [
     "CommStats",
     "DDPHookState",
+    "Loopback",
     "QuantizedAllReduce",
+    "allreduce_in_process_",
     "choose_bits",
     "ddp_bucket_cap_mb",
     "plan_buckets",
@@ -261,7 +274,7 @@ class QuantizedAllReduce:
     ) -> None:
         self.config, self.group, self.rank, self.world, self.seed = config, group, rank, world, seed
         self.sizes = None if sizes is None else [int(n) for n in sizes]
-        self._gen: torch.Generator | None = None
+        self.ops: Loopback | None = None  # None: torch.distributed over `group`
         self._numel: int | None = None
         self._ranges: list[tuple[int, int]] = []
         self._bits: list[int] | None = None  # per bucket, adaptive
@@ -272,6 +285,13 @@ class QuantizedAllReduce:
     @property
     def buckets(self) -> list[tuple[int, int]]:
         return list(self._ranges)
+
+    def set_sizes(self, sizes: Sequence[int] | None) -> None:
+        """New tensor sizes (the optimizer's buffer grew): buckets are planned again, and
+        adaptive bits decided again, at the next all-reduce; unchanged sizes change nothing."""
+        sizes = None if sizes is None else [int(n) for n in sizes]
+        if sizes != self.sizes:
+            self.sizes, self._numel = sizes, None
 
     def allreduce_(self, flat: torch.Tensor, step: int, average: bool = False) -> CommStats:
         if flat.dim() != 1 or not flat.is_contiguous():
@@ -320,10 +340,26 @@ class QuantizedAllReduce:
             self._numel, self._bits, self._decided_at = n, None, None
         return self._ranges
 
-    def _generator(self, device: torch.device) -> torch.Generator:
-        if self._gen is None or self._gen.device != device:
-            self._gen = rng.stream(self.seed, "comm", self.rank, device=str(device))
-        return self._gen
+    def _generator(self, device: torch.device, step: int) -> torch.Generator:
+        """This rank's stream for `step` (a function of (seed, rank, step) alone)."""
+        return rng.stream(self.seed, f"comm/rank{self.rank}", step, device=str(device))
+
+    # -- the collectives (torch.distributed, or `ops` in one process) ------------------------
+
+    def _all_reduce(self, x: torch.Tensor) -> None:
+        if self.ops is not None:
+            return self.ops.all_reduce(x)
+        dist.all_reduce(x, group=self.group)
+
+    def _broadcast0(self, x: torch.Tensor) -> None:
+        if self.ops is not None:
+            return self.ops.broadcast0(x)
+        dist.broadcast(x, src=_global_rank(self.group, 0), group=self.group)
+
+    def _all_to_all(self, recv: torch.Tensor, send: torch.Tensor) -> None:
+        if self.ops is not None:
+            return self.ops.all_to_all(recv, send)
+        dist.all_to_all_single(recv, send, group=self.group)
 
     def _bits_for(self, flat, ranges, step: int) -> tuple[list[int], bool, int]:
         """(bits per bucket, re-decided now, bytes the decision sent)."""
@@ -341,14 +377,14 @@ class QuantizedAllReduce:
             lo_c, hi_c = chunks.amin(dim=1), chunks.amax(dim=1)
             stats[k] = ((hi_c - lo_c).double().square() * S).sum()
             stats[-1] += x.double().square().sum()
-        dist.all_reduce(stats, group=self.group)
+        self._all_reduce(stats)
         numel = torch.tensor([hi - lo for lo, hi in ranges], dtype=torch.float64)
         bits = torch.tensor(
             choose_bits(stats[:-1].cpu(), numel, float(stats[-1]), cfg.adaptive_bits,
                         cfg.adaptive_lambda, S),
             dtype=torch.int64, device=flat.device,
         )  # fmt: skip
-        dist.broadcast(bits, src=_global_rank(self.group, 0), group=self.group)
+        self._broadcast0(bits)
         self._bits, self._decided_at = [int(b) for b in bits.tolist()], step
         log.info("comm: step %d bits per bucket %s", step, self._bits)
         sent = _ring_bytes(stats.numel() * 8, self.world) + bits.numel() * 8
@@ -361,7 +397,7 @@ class QuantizedAllReduce:
             return 0
         whole = len(ranges) == len(self._ranges)
         buf = flat if whole else torch.cat([flat[lo:hi] for lo, hi in ranges])
-        dist.all_reduce(buf, group=self.group)
+        self._all_reduce(buf)
         if average:
             buf.div_(self.world)
         if not whole:
@@ -379,7 +415,7 @@ class QuantizedAllReduce:
 
     def _quantized(self, flat, ranges, bits: list[int], average: bool, step: int) -> int:
         cfg, W, S = self.config, self.world, self.config.chunk_size
-        gen = self._generator(flat.device)
+        gen = self._generator(flat.device, step)
         comp = self._compensated(flat, ranges)
         buckets, at = [], 0
         for lo, hi in ranges:
@@ -400,7 +436,7 @@ class QuantizedAllReduce:
             flat.device,
         )
         recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=self.group)
+        self._all_to_all(recv, send)
         flag = int(recv[:, -1].max())  # a rank that could not encode says so in its rows
         owned = torch.zeros(sum(b.seg for b in buckets), device=flat.device)
         if not flag:
@@ -452,7 +488,10 @@ class QuantizedAllReduce:
     def _gather(self, piece: torch.Tensor) -> torch.Tensor:
         """[W, bytes]: every rank's `piece` in rank order (gloo wants a flat output)."""
         out = torch.empty(self.world * piece.numel(), dtype=piece.dtype, device=piece.device)
-        _all_gather(out, piece, group=self.group)
+        if self.ops is not None:
+            self.ops.all_gather(out, piece)
+        else:
+            _all_gather(out, piece, group=self.group)
         return out.reshape(self.world, piece.numel())
 
     def _topk(self, flat, ranges, average: bool, step: int) -> int:
@@ -493,7 +532,6 @@ class QuantizedAllReduce:
             "bits": self._bits,
             "decided_at": self._decided_at,
             "numel": self._numel,
-            "generator": None if self._gen is None else self._gen.get_state(),
             "worker_feedback": self._worker_fb.state_dict(),
             "owner_feedback": self._owner_fb.state_dict(),
         }
@@ -504,9 +542,6 @@ class QuantizedAllReduce:
             sizes = self.sizes if self.sizes and sum(self.sizes) == self._numel else [self._numel]
             self._ranges = plan_buckets(sizes, self.config) if self._numel else []
         self._bits, self._decided_at = state["bits"], state["decided_at"]
-        if state["generator"] is not None:
-            self._gen = torch.Generator().manual_seed(0)
-            rng.load_generator_state(self._gen, state["generator"], "comm generator")
         self._worker_fb.load_state_dict(state["worker_feedback"])
         self._owner_fb.load_state_dict(state["owner_feedback"])
 
@@ -565,6 +600,83 @@ def _global_rank(group, rank: int) -> int:
     if group is None or group is dist.group.WORLD:
         return rank
     return dist.get_global_rank(group, rank)
+
+
+class _Hub:
+    """Where W in-process ranks meet: each posts its value, all read everyone's."""
+
+    def __init__(self, world: int, timeout_s: float) -> None:
+        self.slots: list = [None] * world
+        self.barrier = threading.Barrier(world, timeout=timeout_s)
+
+    def exchange(self, rank: int, value) -> list:
+        self.slots[rank] = value
+        self.barrier.wait()
+        out = list(self.slots)
+        self.barrier.wait()  # everyone has read before anyone posts again
+        return out
+
+
+class Loopback:
+    """The collectives `QuantizedAllReduce` uses, between threads of one process: sums in rank
+    order (for two ranks that is what gloo computes, a + b = b + a; for more, gloo's order
+    may differ in the last bit of the exact buckets, as for the uncompressed sum)."""
+
+    def __init__(self, hub: _Hub, rank: int) -> None:
+        self.hub, self.rank = hub, rank
+
+    def all_reduce(self, x: torch.Tensor) -> None:
+        parts = self.hub.exchange(self.rank, x.clone())
+        total = parts[0].clone()
+        for part in parts[1:]:
+            total.add_(part)
+        x.copy_(total)
+
+    def broadcast0(self, x: torch.Tensor) -> None:
+        x.copy_(self.hub.exchange(self.rank, x.clone())[0])
+
+    def all_to_all(self, recv: torch.Tensor, send: torch.Tensor) -> None:
+        parts = self.hub.exchange(self.rank, send)
+        recv.copy_(torch.stack([part[self.rank] for part in parts]))
+
+    def all_gather(self, out: torch.Tensor, piece: torch.Tensor) -> None:
+        out.copy_(torch.cat(self.hub.exchange(self.rank, piece)))
+
+
+def allreduce_in_process_(
+    reducers: Sequence[QuantizedAllReduce],
+    flats: Sequence[torch.Tensor],
+    step: int,
+    average: bool = False,
+    timeout_s: float = 600.0,
+) -> list[CommStats]:
+    """`reducers[r].allreduce_(flats[r], step)` for every rank r of one process at once (the
+    reducers' ranks 0..W-1 in order): each in a thread, their collectives over a `Loopback`.
+    Every flat ends with what W processes would hold. A rank that fails for another reason
+    than the flagged ones (which every rank raises alike) breaks the others' wait at once."""
+    world = len(reducers)
+    if [r.rank for r in reducers] != list(range(world)) or len(flats) != world:
+        raise ValueError("allreduce_in_process_: one reducer and tensor per rank, in rank order")
+    hub = _Hub(world, timeout_s)
+
+    def run(reducer: QuantizedAllReduce, flat: torch.Tensor) -> CommStats:
+        reducer.ops, reducer.world = Loopback(hub, reducer.rank), world
+        try:
+            return reducer.allreduce_(flat, step, average=average)
+        except BaseException:
+            hub.barrier.abort()
+            raise
+        finally:
+            reducer.ops = None
+
+    with ThreadPoolExecutor(max_workers=world, thread_name_prefix="loopback") as pool:
+        futures = [pool.submit(run, r, f) for r, f in zip(reducers, flats, strict=True)]
+        errors = [f.exception() for f in futures]
+    first = next((e for e in errors if not isinstance(e, threading.BrokenBarrierError | None)),
+                 None) or next((e for e in errors if e is not None), None)  # fmt: skip
+    if first is not None:
+        raise first
+    return [f.result() for f in futures]
 
 
 class DDPHookState:

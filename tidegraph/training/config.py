@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from tidegraph.comm.config import CommConfig
 from tidegraph.models.config import ModelConfig
 from tidegraph.storage.cache import POLICIES
 from tidegraph.storage.features import PRECISIONS
@@ -241,6 +242,7 @@ _SECTIONS = {
     "train": TrainConfig,
     "continual": ContinualConfig,
     "cluster": ClusterConfig,
+    "comm": CommConfig,
 }
 
 
@@ -252,6 +254,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     continual: ContinualConfig = field(default_factory=ContinualConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    comm: CommConfig = field(default_factory=CommConfig)  # gradient and row compression
     mode: str = "continual"  # or "offline" (70/15/15 by time)
     offline_split: tuple[float, float] = (0.70, 0.15)  # train, validation; the rest is test
     seed: int = 0

@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from tidegraph.comm.gradsync import comm_record
 from tidegraph.ops import resolved_slot_precision
 from tidegraph.rng import load_generator_state, seed_for
 from tidegraph.rng import stream as seed_stream
@@ -366,6 +367,7 @@ class ContinualLearner:
         inc = [r for r in self.history if r["phase"] == "increment"]
         out = {"model": self.config.model.name, "dataset": self.stream.name}
         out.update(self._cluster_record())
+        out["comm"] = self._comm_record()
         out["partition"] = self.group.report(self.events.src[: self.ingested],
                                              self.events.dst[: self.ingested])  # fmt: skip
         if inc:
@@ -430,6 +432,18 @@ class ContinualLearner:
                 self.config.model.slot_precision,
                 self.device,
             )
+
+    def _comm_record(self) -> dict:
+        """Gradient compression in summary.json: the resolved `comm` settings and trainer
+        0's totals (bytes per rank; every rank sends as much and decodes the same bits)."""
+        trainer = self.group.trainers[0]
+        if hasattr(trainer, "call"):  # an actor: its TrainerCore's state, once per run
+            import ray
+
+            state = ray.get(trainer.call.remote("state_dict"))
+        else:
+            state = trainer.state_dict()
+        return comm_record(self.config.comm, state.get("comm"))
 
     def _cluster_record(self) -> dict:
         return {

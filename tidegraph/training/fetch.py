@@ -23,13 +23,19 @@ class ShardedFeatureStore(FeatureStore):
 
     `shards[p].fetch(eids)` returns the stored rows (local or remote); `num_rows` follows the
     stream and is set by whoever ingests (`set_num_rows`), so asking needs no round trip.
+    With `rows_int8` (`comm.rows_int8`), shards answer int8 rows with a scale per row, which
+    `get` (or the cache wrapping this store) decodes: rows cross the wire at a quarter of
+    fp32's bytes, within half a step (max|row| / 254) of the stored value per element.
     """
 
-    def __init__(self, shards: list, dim: int, precision: str = "fp32", gather=None) -> None:
+    def __init__(
+        self, shards: list, dim: int, precision: str = "fp32", gather=None, rows_int8: bool = False
+    ) -> None:
         self.shards = list(shards)
         self.gather = gather or (lambda xs: xs)  # waits for remote shards' answers at once
         self.dim = dim
-        self.precision = precision
+        self.rows_int8 = rows_int8
+        self.precision = "int8" if rows_int8 else precision  # what `fetch` returns
         self._num_rows = 0
         self.requests = 0
 
@@ -45,8 +51,8 @@ class ShardedFeatureStore(FeatureStore):
         p = len(self.shards)
         if p == 1:
             self.requests += 1
-            return self.gather([self.shards[0].fetch(ids)])[0]
-        ask = lambda q, idx: self.shards[q].fetch(ids.index_select(0, idx))  # noqa: E731
+            return self.gather([self._ask(0, ids)])[0]
+        ask = lambda q, idx: self._ask(q, ids.index_select(0, idx))  # noqa: E731
         answers = ask_owners(torch.remainder(ids, p), p, ask, self.gather)
         self.requests += len(answers)
         data, scale = None, None
@@ -59,8 +65,13 @@ class ShardedFeatureStore(FeatureStore):
             if scale is not None:
                 scale.index_copy_(0, idx, rows.scale)
         if data is None:  # no ids
-            return self.gather([self.shards[0].fetch(ids)])[0]
+            return self.gather([self._ask(0, ids)])[0]
         return EncodedRows(data, scale)
+
+    def _ask(self, part: int, ids: torch.Tensor):
+        if self.rows_int8:
+            return self.shards[part].fetch(ids, int8=True)
+        return self.shards[part].fetch(ids)
 
     def get(self, ids: torch.Tensor) -> torch.Tensor:
         from tidegraph.storage.features import decode

@@ -21,6 +21,7 @@ import logging
 
 import torch
 
+from tidegraph.comm.gradsync import compressing, reduce_in_process_
 from tidegraph.models.config import build_model
 from tidegraph.rng import load_generator_state, seed_for, stream
 from tidegraph.sampling.multihop import MultiHopSampler
@@ -136,7 +137,9 @@ class LocalGroup:
         for trainer, args in zip(self.trainers, slices, strict=True):
             if len(args[0]):
                 results.append(trainer.train_slice(*args))
-        if len(results) == 1:
+        if compressing(self.config.comm, self.num_trainers):
+            grad = self._compressed_sum(slices)
+        elif len(results) == 1:
             grad = results[0]["grad"]
         else:
             grad = torch.stack([r["grad"] for r in results]).sum(0)
@@ -146,6 +149,20 @@ class LocalGroup:
         if self.state_shards is not None:
             self._apply_state(updates)
         return sum(r["loss"] for r in results)
+
+    def _compressed_sum(self, slices: list) -> torch.Tensor:
+        """The step's gradient as W trainer processes compute it with `comm` compression:
+        every trainer takes part (an empty slice with zeros), each keeps its `GradSync`."""
+        for trainer, args in zip(self.trainers, slices, strict=True):
+            if not len(args[0]):
+                trainer.optimizer.zero_grad()
+        flats = [t.optimizer.flat_grad for t in self.trainers]
+        syncs = [getattr(t, "grad_sync", None) for t in self.trainers]
+        sizes = self.trainers[0].optimizer.sizes
+        live = reduce_in_process_(self.config.comm, self.config.seed, syncs, flats, sizes)
+        for trainer, sync in zip(self.trainers, live, strict=True):
+            trainer.grad_sync = sync
+        return flats[0]
 
     def eval_step(
         self, ev: EventBatch, neg_BQ: torch.Tensor, observe: bool
@@ -306,7 +323,8 @@ def build_trainer(
     features = None
     if edge_dim:
         precision = config.data.feature_precision
-        features = ShardedFeatureStore(shards, edge_dim, precision, gather)
+        features = ShardedFeatureStore(shards, edge_dim, precision, gather,
+                                       rows_int8=config.comm.rows_int8)  # fmt: skip
     source = ShardedStateSource(shards, owner, gather) if sharded else None
     init = stream(config.seed, "model")  # every replica draws the same initial parameters
     return TrainerCore(config, num_nodes, edge_dim, sampler, features, rank, init, source)

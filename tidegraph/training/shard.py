@@ -23,10 +23,11 @@ from dataclasses import dataclass
 
 import torch
 
+from tidegraph.comm.quantize import quantize_rows
 from tidegraph.sampling.block import Block
 from tidegraph.sampling.sampler import TemporalSampler
 from tidegraph.storage.events import EventBatch
-from tidegraph.storage.features import EncodedRows, HostFeatureStore, encode
+from tidegraph.storage.features import EncodedRows, HostFeatureStore, decode, encode
 from tidegraph.storage.graph import DynamicGraph
 from tidegraph.training.state import ShardNodeState
 
@@ -169,11 +170,18 @@ class ShardCore:
         t_lo = None if t_lo is None else t_lo.to(g)
         return self.sampler.sample_hop(roots.to(g), t_hi.to(g), k, t_lo)
 
-    def fetch(self, eids: torch.Tensor) -> EncodedRows:
-        """Stored feature rows of `eids` (each with eid mod P == this part)."""
+    def fetch(self, eids: torch.Tensor, int8: bool = False) -> EncodedRows:
+        """Stored feature rows of `eids` (each with eid mod P == this part); with `int8`, as
+        int8 with one scale per row (`comm.rows_int8`: a quarter of fp32's bytes on the wire;
+        rows stored int8 already go as they are). Rounding is to nearest, a function of the
+        rows alone, so an in-process shard and a shard actor send the same codes."""
         if self.features is None:
             raise ValueError("ShardCore.fetch: this stream has no edge features")
-        return self.features.fetch(eids // self.num_parts)
+        rows = self.features.fetch(eids // self.num_parts)
+        if not int8 or rows.scale is not None:
+            return rows
+        q = quantize_rows(decode(rows))
+        return EncodedRows(q.values, q.scales)
 
     def sampler_state(self) -> dict:
         return self.sampler.state_dict()

@@ -205,7 +205,14 @@ class TrainerCore:
             self.optimizer.zero_grad()
             loss, updates = 0.0, None if exchange is None else exchange(0.0, None)
         t0 = time.perf_counter()
-        collective.allreduce_sum_(self.optimizer.flat_grad)
+        self.grad_sync = collective.allreduce_sum_(
+            collective.gradient(
+                self.optimizer.flat_grad,
+                self.steps,
+                self.optimizer.sizes,
+                getattr(self, "grad_sync", None),
+            )
+        ).sync
         t1 = time.perf_counter()
         if gather:
             parts = updates.wait()
@@ -314,6 +321,9 @@ class TrainerCore:
 
     def state_dict(self) -> dict:
         cache = self.edge_cache
+        # gradient compression (`comm:`): this rank's `GradSync` (bits, residuals, totals), a
+        # state dict loaded but not used yet, or None (no compressed step taken)
+        sync = getattr(self, "grad_sync", None)
         return {
             "rank": self.rank,
             "steps": self.steps,
@@ -321,6 +331,7 @@ class TrainerCore:
             "optimizer": self.optimizer.state_dict(),
             "edge_cache": None if cache is None else cache.state_dict(),
             "features": None if cache is None else cache.store.state_dict(),
+            "comm": sync.state_dict() if hasattr(sync, "state_dict") else sync,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -337,6 +348,7 @@ class TrainerCore:
             self.new_optimizer()
         self.optimizer.load_state_dict(state["optimizer"])
         self.steps = state.get("steps", 0)
+        self.grad_sync = state.get("comm")  # made live by the collective at the next step
         if self.edge_cache is not None:
             self.edge_cache.store.load_state_dict(state["features"])
             self.edge_cache.load_state_dict(state["edge_cache"])
