@@ -33,6 +33,7 @@ class _Trainer:
         """`incarnation`: how many trainers of this rank were lost before this one."""
         set_determinism(**runtime)
         self.incarnation = incarnation
+        self.num_nodes = num_nodes  # node ids the tables have room for
         self.config = RunConfig.from_dict(config)
         c = self.config.cluster
         self.rank, self.world = rank, world
@@ -102,6 +103,7 @@ class _Trainer:
         if self.core.edge_cache is not None:
             self.core.edge_cache.store.set_num_rows(num_rows)
         self.core.grow(num_nodes)
+        self.num_nodes = max(self.num_nodes, num_nodes)
 
     def train_and_step(self, ev, weight, neg, num_observe: int, global_size: int, *before):
         """`before`: the previous step's node-state updates of every slice, applied first
@@ -205,9 +207,14 @@ class _Trainer:
         replicated node state, feature cache."""
         return self.core.state_dict()
 
-    def load_replica(self, state: dict) -> None:
+    def nodes(self) -> int:
+        return self.num_nodes
+
+    def load_replica(self, state: dict, results: list) -> None:
+        """Become a copy of a replica that stands `len(results)` steps into the pass."""
         self.core.abort_step()
         self.core.load_state_dict(state)
+        self.pass_results = list(results)
 
     def pid(self) -> int:
         return os.getpid()

@@ -57,6 +57,8 @@ class Collective:
     `comm`, `seed`: how gradients (`GradientStep`s) are compressed, and the run's seed that
     the rounding streams derive from."""
 
+    rendezvous_s = 8.0  # below the driver's probe time (`RayGroup.probe_s`)
+
     def __init__(
         self,
         address: tuple[str, int],
@@ -73,15 +75,18 @@ class Collective:
         self.group = None
         if world == 1:
             return
-        timeout = datetime.timedelta(seconds=timeout_s)
-        store = dist.TCPStore(address[0], address[1], is_master=False, timeout=timeout)
+        # joining waits at most `rendezvous_s` for the other members (one lost while the
+        # group forms fails the others soon, so they answer the driver's probe and are not
+        # taken for hung); the group's collectives then wait up to `timeout_s`
+        join = datetime.timedelta(seconds=min(timeout_s, self.rendezvous_s))
+        store = dist.TCPStore(address[0], address[1], is_master=False, timeout=join)
         prefixed = dist.PrefixStore(f"tidegraph/gen{generation}/", store)
         if dist.is_initialized():  # an earlier membership's group
             dist.destroy_process_group()
-        dist.init_process_group(
-            backend, store=prefixed, rank=rank, world_size=world, timeout=timeout
-        )
+        dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world,
+                                timeout=join)  # fmt: skip
         self.group = dist.group.WORLD
+        _set_timeout(self.group, datetime.timedelta(seconds=timeout_s))
         log.info("rank %d of %d joined trainer group generation %d", rank, world, generation)
 
     def allreduce_sum_(self, x: torch.Tensor | GradientStep) -> torch.Tensor | GradientStep:
@@ -208,6 +213,19 @@ def _unpack(buf: torch.Tensor, head: int, device: torch.device):
         tensors.append(raw.view(dtype).reshape(shape).to(device))
         offset += _aligned(nbytes)
     return _fill(skeleton, tensors)
+
+
+def _set_timeout(group, timeout: datetime.timedelta) -> None:
+    """The collectives' timeout of a formed group. torch has no public way to give a group's
+    rendezvous and its collectives different timeouts (a sub-group would do, but its store
+    keys count the groups a process made, which differs between a survivor and a newly
+    started replacement), so this uses torch's own setter; without it collectives keep the
+    rendezvous timeout."""
+    setter = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    if setter is None:  # pragma: no cover - present in the torch versions tidegraph supports
+        log.warning("torch has no _set_pg_timeout: collectives time out as the rendezvous")
+        return
+    setter(timeout, group)
 
 
 def _node_ip() -> str:

@@ -25,6 +25,7 @@ import time
 
 import ray
 import torch
+import torch.distributed as dist
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -62,6 +63,29 @@ def _own(x):
     if isinstance(x, tuple | list):
         return type(x)(_own(v) for v in x)
     return x
+
+
+def _retrying(recover, cause: Exception):
+    """`recover(cause)`, and again with the new failure when another actor fails during it
+    (bounded: recovery spends `cluster.max_recoveries`); `cause` itself raised means there
+    was nothing to recover."""
+    while True:
+        try:
+            return recover(cause)
+        except ray.exceptions.RayError as exc:
+            if exc is cause:
+                raise
+            log.warning("another failure during recovery (%s): recovering again", exc)
+            cause = exc
+
+
+def _group_failure(exc: Exception) -> bool:
+    """Whether `exc` is a trainer's collective or rendezvous failing (torch.distributed's
+    errors, and the RuntimeError gloo raises when a peer's connection breaks)."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, dist.DistError):
+        return True
+    return isinstance(cause, RuntimeError) and "gloo" in str(cause)
 
 
 def _actor_state(actor) -> str:
@@ -123,6 +147,8 @@ class RayGroup:
         self.ingests: list[tuple] = []  # (lo, hi, feature-rounding state) of every ingest
         self.replay_source = None  # (lo, hi) -> the stream's events [lo, hi)
         self.recoveries: list[dict] = []  # one record per trainer recovery
+        self._stale: set[int] = set()  # trainers whose copy of a replica is not complete
+        self._stale_shards: set[int] = set()  # shards rebuilt but not yet checked
         self.recoveries_left = config.cluster.max_recoveries
         self._inflight: collections.deque[PendingLoss] = collections.deque()
         self._pending: list = []  # node-state updates of the last step, not yet sent
@@ -179,9 +205,10 @@ class RayGroup:
             state_model=self._state_model(edge_dim) if self.sharded else None,
         )  # fmt: skip
 
-    def _new_trainer(self, w: int, placed: bool = True):
+    def _new_trainer(self, w: int, placed: bool = True, num_nodes: int | None = None):
         """Trainer actor of rank `w`, in its bundle of the trainers' placement group (or, not
-        `placed`, wherever the cluster has a slot)."""
+        `placed`, wherever the cluster has a slot), with tables for `num_nodes` nodes
+        (default: as many as ingested)."""
         c = self.config.cluster
         raw, edge_dim, cuda = self._trainer_args
         where = {}
@@ -194,7 +221,8 @@ class RayGroup:
                     name=f"tidegraph-trainer-{w}", num_cpus=c.trainer_cpus,
                     num_gpus=1 if cuda else 0, namespace=self.namespace, lifetime=None, **where,
                 ).remote(
-                    self._runtime(w), raw, w, c.trainers, self.shards, self.num_nodes,
+                    self._runtime(w), raw, w, c.trainers, self.shards,
+                    self.num_nodes if num_nodes is None else num_nodes,
                     edge_dim, self.sharded, self.incarnations[w],
                 )  # fmt: skip
             except ray.exceptions.ActorAlreadyExistsError:
@@ -260,7 +288,7 @@ class RayGroup:
         try:
             ray.get([s.ingest.remote(x) for s, x in zip(self.shards, pieces, strict=True)])
         except ray.exceptions.RayActorError as exc:  # survivors have it; rebuilt ones too
-            self._recover_shards(exc)
+            self.recover(exc)
         if len(events):
             self.num_rows = max(self.num_rows, int(events.eid.max()) + 1)
         self.num_nodes = max(self.num_nodes, num_nodes)
@@ -270,7 +298,7 @@ class RayGroup:
         """Tell trainers (all, or these) what shards now hold: node count, feature rows,
         placements, and the segments same-node trainers sample in place."""
         part = None if self.partitioner.kind == "hash" else self.partitioner.state_dict()
-        segments = ray.get([s.segment_refs.remote() for s in self.shards])
+        segments = self._robust(lambda: ray.get([s.segment_refs.remote() for s in self.shards]))
         ray.get([t.ingested.remote(num_nodes, self.num_rows, part, segments)
                  for t in (self.trainers if trainers is None else trainers)])  # fmt: skip
 
@@ -370,18 +398,25 @@ class RayGroup:
         return lost
 
     def recover(self, cause: Exception) -> list:
+        """`_recover` after `cause`, again as often as a further failure interrupts it
+        (within the recovery budget)."""
+        return _retrying(self._recover, cause)
+
+    def _recover(self, cause: Exception) -> list:
         """Bring the group back after `cause` (a failed pass): rebuild lost shards, replace
         every lost trainer by a copy of the survivor that finished the most steps of the
         pass and bring survivors that finished fewer to it (`recovery.policy`), rebuild the
         trainer group on a new generation. No checkpoint is read and no finished step is
         repeated. Returns the source's results of the pass so far; raises `cause` when
-        nothing was lost (the failure is not a lost member), `NoReplicaLeft` when no
-        trainer survived."""
+        nothing was lost and it is no failure of the trainers' group (a collective or its
+        rendezvous, say because a member was lost and replaced meanwhile: the group is
+        then just rebuilt), `NoReplicaLeft` when no trainer survived."""
         t0 = time.perf_counter()
-        lost = self._probe()
+        # a trainer that was to copy a replica when recovery was interrupted is lost too
+        lost = sorted(set(self._probe()) | self._stale)
         lost_shards = self._probe_shards()
-        if not lost and not lost_shards:
-            raise cause
+        if not lost and not lost_shards and not _group_failure(cause):
+            raise cause  # not a lost member: a real error
         if lost_shards:
             self._recover_shards(cause, lost_shards, tuple(lost))
         if len(lost) == len(self.trainers):
@@ -400,11 +435,17 @@ class RayGroup:
                                      {w: r["done"] for w, r in reports.items()})  # fmt: skip
         source, done, behind = plan.source, plan.steps_done, list(plan.copy_to)
         state = self.trainers[source].replica_state.remote()
+        results = ray.put(reports[source]["results"])
+        # replacements start with the source's tables (an ingest may have failed before
+        # every trainer grew them), load its state, then all grow to what shards hold
+        num_nodes = ray.get(self.trainers[source].nodes.remote())
+        self._stale = set(behind)
         for w in plan.replace:
             self.incarnations[w] += 1
-            self.trainers[w] = self._new_trainer(w)
-        self._refresh(self.num_nodes, [self.trainers[w] for w in plan.replace])
-        ray.get([self.trainers[w].load_replica.remote(state) for w in behind])
+            self.trainers[w] = self._new_trainer(w, num_nodes=num_nodes)
+        ray.get([self.trainers[w].load_replica.remote(state, results) for w in behind])
+        self._refresh(self.num_nodes)
+        self._stale = set()
         self._connect()
         event = {
             "lost": lost, "lost_shards": lost_shards, "source": source, "steps_done": done,
@@ -427,7 +468,7 @@ class RayGroup:
         lost = []
         for p, ref in enumerate(refs):
             try:
-                if ref not in ready:
+                if ref not in ready or p in self._stale_shards:  # hung, or half rebuilt
                     raise TimeoutError
                 ray.get(ref)
             except (ray.exceptions.RayActorError, TimeoutError):
@@ -453,7 +494,11 @@ class RayGroup:
             ) from cause
         if self.replay_source is None:
             raise RuntimeError(f"shards {lost} were lost and no replay source is set") from cause
+        self.recoveries_left -= 1
+        if self.recoveries_left < 0:
+            raise RuntimeError("shard recovery: the retry budget is spent") from cause
         t0 = time.perf_counter()
+        self._stale_shards = set(lost)
         for p in lost:
             self.shards[p] = self._new_shard(p)
         expected = dict.fromkeys(lost, 0)
@@ -471,6 +516,7 @@ class RayGroup:
         held = {p: ray.get(self.shards[p].report.remote())["events"] for p in lost}
         if held != expected:
             raise RuntimeError(f"rebuilt shards hold {held} events, the log has {expected}")
+        self._stale_shards = set()
         live = [t for w, t in enumerate(self.trainers) if w not in lost_trainers]
         ray.get([t.replace_shard.remote(p, self.shards[p]) for t in live for p in lost])
         self._refresh(self.num_nodes, live)  # replacements of lost trainers get them new
@@ -513,8 +559,17 @@ class RayGroup:
             ))  # fmt: skip
         if observe:
             self._apply_state([o[2] for o in outs])
-        pos = ray.get([o[0] for o in outs])
-        neg = ray.get([o[1] for o in outs])
+        try:
+            pos = ray.get([o[0] for o in outs])
+            neg = ray.get([o[1] for o in outs])
+        except ray.exceptions.RayActorError as exc:
+            if self.sharded:  # shards may hold some of the step's updates: not recoverable
+                raise
+            # survivors applied `before` (their task's first act) and replacements copy one;
+            # the step itself changed nothing yet: run it again
+            self._pending = []
+            self.recover(exc)
+            return self.eval_step(ev, neg_BQ, observe)
         return torch.cat(pos), torch.cat(neg)
 
     def drain(self) -> None:
@@ -546,14 +601,19 @@ class RayGroup:
     # ---- node state, rounds, reports ----------------------------------------------------------
 
     def _all(self, method: str, *args) -> list:
-        """`TrainerCore.method(*args)` on every trainer; a trainer found lost is replaced
-        from a survivor first (`recover`) and the call made again."""
+        """`TrainerCore.method(*args)` on every trainer."""
         self._flush()
-        try:
-            return ray.get([t.call.remote(method, *args) for t in self.trainers])
-        except ray.exceptions.RayActorError as exc:
-            self.recover(exc)
-            return ray.get([t.call.remote(method, *args) for t in self.trainers])
+        return self._robust(lambda: ray.get([t.call.remote(method, *args) for t in self.trainers]))
+
+    def _robust(self, call):
+        """`call()` (driver calls that read actors); when an actor is found lost, the group
+        recovers (`recover`) and the call is made again, on the new actors."""
+        for _ in range(self.config.cluster.max_recoveries + 1):
+            try:
+                return call()
+            except ray.exceptions.RayActorError as exc:
+                self.recover(exc)
+        return call()
 
     def reset_state(self) -> None:
         self._all("reset_state")
@@ -564,7 +624,7 @@ class RayGroup:
         self._flush()
         if self.sharded:
             return {"shards": ray.get([s.node_state_dict.remote() for s in self.shards])}
-        return ray.get(self.trainers[0].call.remote("node_state"))
+        return self._robust(lambda: ray.get(self.trainers[0].call.remote("node_state")))
 
     def load_node_state(self, state: dict) -> None:
         if self.sharded:
@@ -583,11 +643,11 @@ class RayGroup:
 
     def cache_stats(self) -> dict | None:
         self._flush()
-        return ray.get(self.trainers[0].cache_stats.remote())
+        return self._robust(lambda: ray.get(self.trainers[0].cache_stats.remote()))
 
     def sampler_states(self) -> list:
         self.drain()
-        return ray.get([s.sampler_state.remote() for s in self.shards])
+        return self._robust(lambda: ray.get([s.sampler_state.remote() for s in self.shards]))
 
     def load_sampler_states(self, states: list) -> None:
         self.drain()
@@ -596,7 +656,7 @@ class RayGroup:
                                                                 strict=True)])  # fmt: skip
 
     def grad_values(self) -> int:
-        return ray.get(self.trainers[0].grad_values.remote())
+        return self._robust(lambda: ray.get(self.trainers[0].grad_values.remote()))
 
     def take_seconds(self) -> list[dict]:
         return self._all("take_seconds")
@@ -606,12 +666,12 @@ class RayGroup:
 
     def model_state(self) -> dict:
         self._flush()
-        return ray.get(self.trainers[0].model_state.remote())
+        return self._robust(lambda: ray.get(self.trainers[0].model_state.remote()))
 
     def report(self, src: torch.Tensor, dst: torch.Tensor) -> dict:
         out = partition_report(src, dst, self.partitioner)
-        out["shard_events"] = [r["events"] for r in ray.get([s.report.remote()
-                                                             for s in self.shards])]  # fmt: skip
+        reports = self._robust(lambda: ray.get([s.report.remote() for s in self.shards]))
+        out["shard_events"] = [r["events"] for r in reports]
         return out
 
     def alive(self) -> tuple[int, int]:
@@ -640,7 +700,7 @@ class RayGroup:
             "feature_gen": self.feature_gen.get_state(),
             "balancer": self.balancer.state_dict(),
             "ingests": list(self.ingests),
-            "shards": ray.get([s.state_dict.remote() for s in self.shards]),
+            "shards": self._robust(lambda: ray.get([s.state_dict.remote() for s in self.shards])),
             "trainers": self._all("state_dict"),
         }
 
