@@ -4,10 +4,12 @@ rollback, and the run ends exactly where a fault-free run ends."""
 from __future__ import annotations
 
 import os
+import random
 import signal
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 
 import pytest
@@ -142,7 +144,7 @@ def test_losing_every_trainer_restarts_the_group_from_the_last_checkpoint(
     assert_same_run(got, fault_free)
 
 
-def test_losing_every_trainer_without_a_checkpoint_is_no_replica_left(ray_session, wiki):
+def test_losing_every_trainer_without_a_run_directory_is_no_replica_left(ray_session, wiki):
     faults = [{"trainer": w, "step": 3, "at": "forward"} for w in (0, 1)]
     with pytest.raises(NoReplicaLeft, match="all 2 trainers were lost"):
         run(config(faults), wiki)
@@ -173,3 +175,63 @@ def test_a_shard_sigkilled_mid_pass_is_rebuilt_from_the_log_exactly(ray_session,
     rebuilt = [e for e in got["recoveries"] if "events" in e]
     assert [e["lost_shards"] for e in rebuilt] == [[1]]
     assert_same_run(got, fault_free)  # including every shard's event count
+
+
+@pytest.mark.slow
+def test_chaos_a_seeded_schedule_of_kills_ends_as_the_fault_free_run(ray_session, tmp_path):
+    """Trainers and shards SIGKILLed at seeded random times over a run of a few minutes (the
+    default job's stream and model); the run must end bitwise as the fault-free one, every
+    shard holding its events. Kills can take both replicas before a replacement has a copy:
+    the orchestrator then restarts from the newest checkpoint."""
+    stream = load_stream("wikipedia", None)
+    cfg = RunConfig.from_dict({
+        "model": {"name": "tgn"}, "data": {"dataset": "wikipedia"},
+        "train": {"batch_size": 200}, "continual": {"num_increments": 10},
+        "cluster": {"backend": "ray", "trainers": 2, "shards": 2},
+        "progress": False, "out_dir": None, "seed": 7, "run_name": "tidegraph-chaos-test",
+        "checkpoint_every": 1,
+    })  # fmt: skip
+    want = run(cfg, stream)
+    rng = random.Random(2026)
+    kills, finished = [], threading.Event()
+
+    def chaos(orchestrator) -> None:
+        for _ in range(12):
+            if finished.wait(rng.uniform(2.0, 8.0)):
+                return
+            kind, index = rng.choice(["trainer", "shard"]), rng.randrange(2)
+            try:
+                group = orchestrator.learner.group
+                actors = group.trainers if kind == "trainer" else group.shards
+                pid = ray.get(actors[index].pid.remote(), timeout=30)
+            except Exception:  # between groups, or that actor is being replaced: the next
+                continue
+            os.kill(pid, signal.SIGKILL)
+            kills.append((round(time.monotonic(), 1), kind, index))
+
+    set_determinism(7, threads=1)
+    orchestrator = Orchestrator(cfg, stream, run_dir=RunDir(str(tmp_path), "chaos"))
+    thread = threading.Thread(target=chaos, args=(orchestrator,), daemon=True)
+    try:
+        assert orchestrator.step() is RunState.RUNNING  # the group is up
+        thread.start()
+        for _ in range(10_000):  # bounded
+            if orchestrator.step() in (RunState.FINISHED, RunState.ERRORED):
+                break
+        finished.set()
+        thread.join(timeout=60)
+        assert orchestrator.state is RunState.FINISHED, "".join(
+            traceback.format_exception(orchestrator.error)
+        )
+        group = orchestrator.learner.group
+        got = {"model": group.model_state(), "history": orchestrator.learner.history,
+               "steps": orchestrator.learner.cursor.step, "recoveries": list(group.recoveries),
+               "shard_events": group.report(stream.events.src, stream.events.dst)}  # fmt: skip
+    finally:
+        finished.set()
+        orchestrator.close()
+    print("chaos schedule (time, kind, index):", kills)
+    print("restarts from a checkpoint:", orchestrator.restarts)
+    print("recoveries of the last group:", got["recoveries"])
+    assert kills
+    assert_same_run(got, want)

@@ -108,17 +108,18 @@ class Orchestrator:
         return self.result
 
     def _restart(self, cause: NoReplicaLeft) -> bool:
-        """No trainer replica is left: start a new group from the newest checkpoint (the
-        steps since it are computed again), as a resubmitted job would. False when there is
-        no checkpoint to start from or the restart budget is spent."""
-        if self.run_dir is None or self.run_dir.latest_name() is None:
+        """No trainer replica is left: start a new group from the newest checkpoint (or
+        from the beginning before the first; the steps since it are computed again), as a
+        resubmitted job would. False without a run directory or when the restart budget is
+        spent."""
+        if self.run_dir is None:
             return False
         if self.restarts >= self.config.cluster.max_recoveries:
             return False
         self.restarts += 1
         log.warning(
             "%s: restarting from checkpoint %s (restart %d); the steps since it run again",
-            cause, self.run_dir.latest_name(), self.restarts,
+            cause, self.run_dir.latest_name() or "(none yet: the beginning)", self.restarts,
         )  # fmt: skip
         self.close()
         self.learner, self.resume = None, True
