@@ -179,6 +179,7 @@ def test_each_owner_state_loads_alone_into_a_fresh_piece(memory):
             assert torch.equal(x, y)
     b.load_orchestrator_state(own(a.orchestrator_state()))  # the orchestrator alone
     b.group.partitioner.load_state_dict(own(a.group.partitioner.state_dict()))
+    b.group.balancer.load_state_dict(own(a.group.balancer.state_dict()))  # where slices cut
     ra, rb = a.step(), b.step()
     assert ra["ap"] == rb["ap"] and ra["loss"] == rb["loss"]
 
