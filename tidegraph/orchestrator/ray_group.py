@@ -294,11 +294,18 @@ class RayGroup:
         self.num_nodes = max(self.num_nodes, num_nodes)
         self._refresh(num_nodes)
 
-    def _refresh(self, num_nodes: int, trainers: list | None = None) -> None:
+    def _refresh(
+        self, num_nodes: int, trainers: list | None = None, recovering: bool = False
+    ) -> None:
         """Tell trainers (all, or these) what shards now hold: node count, feature rows,
-        placements, and the segments same-node trainers sample in place."""
+        placements, and the segments same-node trainers sample in place. `recovering`: called
+        by a recovery, so a failure here goes back to it (never a recovery inside one)."""
         part = None if self.partitioner.kind == "hash" else self.partitioner.state_dict()
-        segments = self._robust(lambda: ray.get([s.segment_refs.remote() for s in self.shards]))
+
+        def gather() -> list:
+            return ray.get([s.segment_refs.remote() for s in self.shards])
+
+        segments = gather() if recovering else self._robust(gather)
         ray.get([t.ingested.remote(num_nodes, self.num_rows, part, segments)
                  for t in (self.trainers if trainers is None else trainers)])  # fmt: skip
 
@@ -444,7 +451,7 @@ class RayGroup:
             self.incarnations[w] += 1
             self.trainers[w] = self._new_trainer(w, num_nodes=num_nodes)
         ray.get([self.trainers[w].load_replica.remote(state, results) for w in behind])
-        self._refresh(self.num_nodes)
+        self._refresh(self.num_nodes, recovering=True)
         self._stale = set()
         self._connect()
         event = {
@@ -519,7 +526,7 @@ class RayGroup:
         self._stale_shards = set()
         live = [t for w, t in enumerate(self.trainers) if w not in lost_trainers]
         ray.get([t.replace_shard.remote(p, self.shards[p]) for t in live for p in lost])
-        self._refresh(self.num_nodes, live)  # replacements of lost trainers get them new
+        self._refresh(self.num_nodes, live, recovering=True)  # replacements get them new
         log.warning(
             "shard recovery: rebuilt %s from %d logged batches (%s events); %.2f s",
             lost, len(self.ingests), held, time.perf_counter() - t0,
