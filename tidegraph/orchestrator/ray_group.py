@@ -302,12 +302,15 @@ class RayGroup:
         by a recovery, so a failure here goes back to it (never a recovery inside one)."""
         part = None if self.partitioner.kind == "hash" else self.partitioner.state_dict()
 
-        def gather() -> list:
-            return ray.get([s.segment_refs.remote() for s in self.shards])
+        def tell() -> None:  # again after a recovery: growing tables twice changes nothing
+            segments = ray.get([s.segment_refs.remote() for s in self.shards])
+            ray.get([t.ingested.remote(num_nodes, self.num_rows, part, segments)
+                     for t in (self.trainers if trainers is None else trainers)])  # fmt: skip
 
-        segments = gather() if recovering else self._robust(gather)
-        ray.get([t.ingested.remote(num_nodes, self.num_rows, part, segments)
-                 for t in (self.trainers if trainers is None else trainers)])  # fmt: skip
+        if recovering:
+            tell()
+        else:
+            self._robust(tell)
 
     # ---- steps ------------------------------------------------------------------------------
 
