@@ -323,21 +323,13 @@ def scenario_restart(args, stream, base: dict, step_s: float) -> dict:
 
 def scenario_node(args, stream) -> dict:
     """A Cluster on loopback; remove the worker node that holds trainer 1 (not trainer 0's)."""
-    from ray.cluster_utils import Cluster
+    from tidegraph.orchestrator.cluster import loopback_cluster
 
-    ray.shutdown()
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 1, "node_ip_address": "127.0.0.1",
-                        "include_dashboard": False},
-    )  # fmt: skip
+    # three 1-CPU workers, and a 2-CPU one: a free slot to replace on
+    cluster, workers = loopback_cluster([1, 1, 1, 2], "bench-recovery-node")
+    nodes = workers[:3]
     out: dict = {"scenario": "node"}
     try:
-        nodes = [cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1") for _ in range(3)]
-        cluster.add_node(num_cpus=2, node_ip_address="127.0.0.1")  # a free slot to replace on
-        cluster.wait_for_nodes()
-        ray.init(address=cluster.address, namespace="bench-recovery-node",
-                 configure_logging=False)  # fmt: skip
         by_id = {n.node_id: n for n in nodes}
         cfg = config(args)
         cfg.run_name = "bench-recovery-node"

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import ray
 import torch
-from ray.cluster_utils import Cluster
 
+from tidegraph.orchestrator.cluster import loopback_cluster
 from tidegraph.runtime import set_determinism
 from tidegraph.training import ContinualLearner, RunConfig, load_stream
 
@@ -18,17 +18,7 @@ import reference_run  # noqa: E402
 
 @pytest.fixture(scope="module")
 def three_nodes():
-    if ray.is_initialized():
-        ray.shutdown()
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 1, "node_ip_address": "127.0.0.1",
-                        "include_dashboard": False},
-    )  # fmt: skip
-    for _ in range(2):
-        cluster.add_node(num_cpus=2, node_ip_address="127.0.0.1")
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, namespace="tidegraph-cluster-test")
+    cluster, _ = loopback_cluster([2, 2], "tidegraph-cluster-test")
     yield cluster
     ray.shutdown()
     cluster.shutdown()

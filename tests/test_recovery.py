@@ -14,17 +14,17 @@ from pathlib import Path
 
 import pytest
 import ray
-import torch
 
 from tidegraph.orchestrator import Orchestrator, RunState
 from tidegraph.orchestrator.ray_group import RayGroup
 from tidegraph.orchestrator.rundir import RunDir
 from tidegraph.recovery import NoReplicaLeft
 from tidegraph.runtime import set_determinism
-from tidegraph.training import ContinualLearner, RunConfig, load_stream
+from tidegraph.training import RunConfig, load_stream
 
 sys.path.insert(0, str(Path(__file__).parent))
 import reference_run  # noqa: E402
+from recovery_run import assert_same_run, run  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -42,48 +42,9 @@ def config(faults=(), trainers: int = 2, shards: int = 2) -> RunConfig:
     return RunConfig.from_dict(raw)
 
 
-def run(cfg: RunConfig, stream, during=None) -> dict:
-    """The whole run; `during(learner)` is started in a thread once the group is up."""
-    set_determinism(7, threads=1)
-    learner = ContinualLearner(cfg, stream)
-    thread = None
-    if during is not None:
-        thread = threading.Thread(target=during, args=(learner,), daemon=True)
-        thread.start()
-    try:
-        learner.run_phase1()
-        while not learner.done:
-            learner.step()
-        return {
-            "model": learner.group.model_state(),
-            "history": learner.history,
-            "steps": learner.cursor.step,
-            "trainer_steps": learner.group._all("__getattribute__", "steps"),
-            "recoveries": list(learner.group.recoveries),
-            "shard_events": learner.group.report(stream.events.src, stream.events.dst),
-        }
-    finally:
-        if thread is not None:
-            thread.join(timeout=60)
-        learner.group.shutdown()
-
-
 @pytest.fixture(scope="module")
 def fault_free(ray_session, wiki):
     return run(config(), wiki)
-
-
-METRICS = ("ap", "auc", "mrr", "old_ap", "loss", "val_ap", "replayed")
-
-
-def assert_same_run(got: dict, want: dict) -> None:
-    assert got["steps"] == want["steps"]
-    assert got["model"].keys() == want["model"].keys()
-    for key, value in want["model"].items():
-        assert torch.equal(got["model"][key], value), key
-    for a, b in zip(got["history"], want["history"], strict=True):
-        assert {k: a[k] for k in METRICS if k in a} == {k: b[k] for k in METRICS if k in b}
-    assert got["shard_events"]["shard_events"] == want["shard_events"]["shard_events"]
 
 
 @pytest.mark.parametrize(("at", "done"), [("forward", 3), ("allreduce", 3), ("after_step", 4)])

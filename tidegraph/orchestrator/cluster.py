@@ -21,7 +21,7 @@ if not os.environ.get("RAY_ADDRESS"):
 
 import ray  # noqa: E402
 
-__all__ = ["connect"]
+__all__ = ["connect", "loopback_cluster"]
 
 log = logging.getLogger(__name__)
 
@@ -45,3 +45,26 @@ def connect(config) -> bool:
     )  # fmt: skip
     log.info("started a local Ray with %d logical CPUs (namespace %r)", cpus, namespace)
     return True
+
+
+def loopback_cluster(worker_cpus: list[float], namespace: str, head_cpus: float = 1.0):
+    """Several Ray nodes on this machine, all on 127.0.0.1 (tests, benchmarks): a head with
+    `head_cpus` and one worker per entry of `worker_cpus`, this process connected in
+    `namespace`. Returns (cluster, workers); stop with `ray.shutdown()`, `cluster.shutdown()`."""
+    from ray.cluster_utils import Cluster
+
+    if ray.is_initialized():
+        ray.shutdown()
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": head_cpus, "node_ip_address": "127.0.0.1",
+                        "include_dashboard": False},
+    )  # fmt: skip
+    try:
+        workers = [cluster.add_node(num_cpus=c, node_ip_address="127.0.0.1") for c in worker_cpus]
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, namespace=namespace, configure_logging=False)
+    except BaseException:
+        cluster.shutdown()
+        raise
+    return cluster, workers
