@@ -119,3 +119,77 @@ def test_a_ray_run_whose_driver_is_killed_resumes_to_the_local_result(tmp_path):
                           timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert records(tmp_path / "cut") == records(tmp_path / "local")
+
+
+STORED = RunConfig.from_dict({"model": {"name": "tgn"}, "continual": {"num_increments": 3}})
+
+RESUMES = [
+    # (given config fields, fields explicitly given, refused fields; [] when allowed)
+    ({"model": {"name": "tgat"}}, {"model.name"}, ["model.name"]),
+    ({"model": {"dim": 50}}, {"model.dim"}, ["model.dim"]),
+    (
+        {"continual": {"num_increments": 5}},
+        {"continual.num_increments"},
+        ["continual.num_increments"],
+    ),  # fmt: skip
+    (
+        {"continual": {"increment_window": 60.0}},
+        {"continual.increment_window"},
+        ["continual.increment_window"],
+    ),  # fmt: skip
+    ({"data": {"dataset": "uci"}, "seed": 3}, {"data.dataset", "seed"}, ["data.dataset", "seed"]),
+    ({"train": {"lr": 0.01}}, {"train"}, ["train.lr"]),  # a whole section asked for
+    ({"comm": {"compression": "q8"}}, {"comm.compression"}, ["comm.compression"]),
+    ({"model": {"name": "tgat"}}, set(), []),  # a default, not asked for: the stored one runs
+    ({"threads": 4, "progress": False}, {"threads", "progress"}, []),
+    ({"cluster": {"trainers": 4, "shards": 3}}, {"cluster.trainers", "cluster.shards"}, []),
+    ({"checkpoint_every": 5, "run_name": "x"}, {"checkpoint_every", "run_name"}, []),
+    ({"data": {"quarantine": "q.csv"}}, {"data.quarantine"}, []),
+    ({}, {"model.name", "seed"}, []),  # asked for the stored values
+]
+
+
+@pytest.mark.parametrize("fields, explicit, refused", RESUMES)
+def test_resuming_with_changed_fields_that_matter_is_refused_naming_them(fields, explicit, refused):
+    from tidegraph.orchestrator.rundir import check_resume_config
+
+    given = RunConfig.from_dict(fields).to_dict()
+    if not refused:
+        check_resume_config(STORED.to_dict(), given, explicit)
+        return
+    with pytest.raises(ValueError) as info:
+        check_resume_config(STORED.to_dict(), given, explicit)
+    message = str(info.value)
+    assert "\n" not in message
+    for field in refused:
+        assert field in message
+    assert "model.num_layers" not in message  # derived, not asked for
+
+
+def test_explicit_fields_flatten_a_raw_config():
+    from tidegraph.orchestrator.rundir import explicit_fields
+
+    raw = {"model": {"name": "tgn"}, "cluster": {}, "seed": 1, "offline_split": [0.6, 0.2]}
+    assert explicit_fields(raw) == {"model.name", "seed", "offline_split"}
+
+
+def test_a_checkpoint_of_another_configuration_is_refused_naming_the_fields(tmp_path):
+    run = RunDir(str(tmp_path), "r")
+    config = STORED.to_dict()
+    run.save_config(config)
+    run.save_checkpoint({"config": config, "learner": {}}, "phase1")
+    assert run.load_checkpoint()["learner"] == {}  # its own run's
+    # the same run directory opened again (a resumed process) compares with config.yaml
+    again = RunDir(str(tmp_path), "r", resume=True)
+    assert again.load_checkpoint()["config"] == config
+    other = RunConfig.from_dict({"model": {"dim": 50}, "train": {"batch_size": 100}}).to_dict()
+    with pytest.raises(ValueError) as info:
+        again.load_checkpoint(other)
+    message = str(info.value)
+    assert "model.dim (checkpoint 100, run 50)" in message
+    assert "train.batch_size" in message and "phase1" in message and "\n" not in message
+    neutral = dict(config, threads=8, cluster=dict(config["cluster"], trainers=5))
+    assert again.load_checkpoint(neutral)["learner"] == {}
+    # an older checkpoint (no configuration in it) still loads
+    run.save_checkpoint({"learner": {"old": True}}, "increment-00001")
+    assert again.load_checkpoint(other)["learner"] == {"old": True}

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tidegraph.comm.quantize import BITS
+from tidegraph.config_check import check_fields, unknown_keys
 
 __all__ = ["BUCKETINGS", "COMPRESSIONS", "CommConfig"]
 
@@ -38,6 +39,7 @@ class CommConfig:
     rows_int8: bool = False  # feature and memory rows from remote shards travel int8
 
     def __post_init__(self) -> None:
+        check_fields(self, "comm")
         _one_of("compression", self.compression, COMPRESSIONS)
         _one_of("bucketing", self.bucketing, BUCKETINGS)
         if self.chunk_size < 4 or self.chunk_size % 4:
@@ -46,7 +48,6 @@ class CommConfig:
         _at_least("min_bucket_bytes", self.min_bucket_bytes, 0)
         _at_least("adaptive_every", self.adaptive_every, 1)
         _at_least("bucket_bytes", self.bucket_bytes, 4)
-        self.adaptive_bits = tuple(int(b) for b in self.adaptive_bits)
         if not self.adaptive_bits or any(b not in BITS for b in self.adaptive_bits):
             _bad("adaptive_bits", self.adaptive_bits, f"a non-empty subset of {BITS}")
         if not self.adaptive_lambda >= 0:
@@ -67,9 +68,7 @@ class CommConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> CommConfig:
-        unknown = set(d) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"comm: unknown keys {sorted(unknown)}")
+        unknown_keys(d, cls.__dataclass_fields__, "comm")
         return cls(**d)
 
 
@@ -83,5 +82,5 @@ def _one_of(name: str, value, choices: tuple) -> None:
 
 
 def _at_least(name: str, value, low: int) -> None:
-    if int(value) != value or value < low:
+    if value < low:
         _bad(name, value, f"an integer >= {low}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tidegraph.config_check import check_fields
 from tidegraph.models.apan import APAN
 from tidegraph.models.base import TemporalModel
 from tidegraph.models.dysat import DySAT
@@ -46,6 +47,7 @@ class ModelConfig:
     slot_precision: str = "auto"
 
     def __post_init__(self) -> None:
+        check_fields(self, "model")
         if self.name not in MODELS:
             raise ValueError(f"model.name must be one of {MODELS}, got {self.name!r}")
         for field in ("dim", "time_dim", "memory_dim", "heads"):

@@ -6,6 +6,13 @@ run's `metrics.jsonl` and `summary.json`. Every file is written to a temporary n
 into place, so a crash leaves the previous checkpoint intact. A fresh run refuses a directory
 that already holds a run (nothing is ever erased); `resume` continues from the newest
 checkpoint. Unwritable storage is found when the directory is opened, before any training.
+
+A run's result depends on its configuration except for the `NEUTRAL` fields (where it writes,
+progress bars, threads, checkpoint cadence, the cluster's shape: the same results up to float
+summation order). `check_resume_config` refuses to resume a run with a field that matters
+changed on purpose, naming the fields; each checkpoint holds the configuration that wrote it,
+and `load_checkpoint` refuses one whose configuration differs in a field that matters from the
+run's (checkpoints without one, if any, load unchecked).
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ import yaml
 
 from tidegraph.storage.eventlog import EventLog, open_fs
 
-__all__ = ["RunDir"]
+__all__ = ["NEUTRAL", "RunDir", "check_resume_config", "config_diff", "explicit_fields"]
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +47,7 @@ class RunDir:
         if resume and not has_run:
             raise ValueError(f"--resume: {self.path} holds no run to resume")
         self.local = isinstance(self.fs, pafs.LocalFileSystem)
+        self.config: dict | None = None  # the run's configuration (checkpoints must match it)
 
     def _check_writable(self) -> None:
         probe = f"{self.path}/.write-probe"
@@ -74,9 +82,11 @@ class RunDir:
 
     def save_config(self, config: dict) -> None:
         self._write("config.yaml", yaml.safe_dump(config, sort_keys=False).encode())
+        self.config = config
 
     def load_config(self) -> dict:
-        return yaml.safe_load(self._read("config.yaml"))
+        self.config = yaml.safe_load(self._read("config.yaml"))
+        return self.config
 
     def save_checkpoint(self, state: dict, tag: str) -> None:
         buffer = io.BytesIO()
@@ -90,8 +100,100 @@ class RunDir:
             return None
         return self._read("checkpoints/latest").decode().strip()
 
-    def load_checkpoint(self) -> dict:
+    def load_checkpoint(self, config: dict | None = None) -> dict:
+        """The newest checkpoint; refused (ValueError naming the fields) when the configuration
+        that wrote it differs from `config` (default: the run's) in a field that matters."""
         tag = self.latest_name()
         state = torch.load(io.BytesIO(self._read(f"checkpoints/{tag}.pt")), weights_only=False)
+        if config is None and self.config is None and self._exists("config.yaml"):
+            self.load_config()
+        config = config if config is not None else self.config
+        written = state.get("config") if isinstance(state, dict) else None
+        if written is None or config is None:
+            log.info("checkpoint %s: no configuration to compare it with (an older one)", tag)
+        else:
+            changed = [f for f in config_diff(written, config) if not _neutral(f)]
+            if changed:
+                raise ValueError(
+                    f"checkpoint {tag} of run {self.run_name} was written with another "
+                    f"configuration: {_show(changed, written, config, 'checkpoint', 'run')}; "
+                    "resume it with the configuration that wrote it, or start a new run"
+                )
         log.info("resuming %s from checkpoint %s", self.run_name, tag)
         return state
+
+
+# fields (or whole sections) that do not change a run's result
+NEUTRAL = (
+    "run_name", "out_dir", "storage", "progress", "threads", "checkpoint_every", "cluster",
+    "data.quarantine",
+)  # fmt: skip
+
+
+def _neutral(field: str) -> bool:
+    return any(field == n or field.startswith(n + ".") for n in NEUTRAL)
+
+
+def explicit_fields(raw: dict) -> set[str]:
+    """The dotted fields a raw config mapping sets (`{"model": {"dim": 8}, "seed": 1}` ->
+    {"model.dim", "seed"}): what a YAML file and flags asked for."""
+    out = set()
+    for key, value in (raw or {}).items():
+        if isinstance(value, dict):
+            out |= {f"{key}.{k}" for k in value}
+        else:
+            out.add(str(key))
+    return out
+
+
+def config_diff(a: dict, b: dict, prefix: str = "") -> list[str]:
+    """Dotted fields whose values differ between two config mappings (tuples equal lists)."""
+    out = []
+    for key in sorted(set(a) | set(b), key=str):
+        x, y = a.get(key), b.get(key)
+        if isinstance(x, dict) and isinstance(y, dict):
+            out += config_diff(x, y, f"{prefix}{key}.")
+        elif _plain(x) != _plain(y):
+            out.append(f"{prefix}{key}")
+    return out
+
+
+def check_resume_config(stored: dict, given: dict, explicit) -> None:
+    """Resuming a run whose configuration is `stored` with `given`, in which the dotted fields
+    `explicit` were asked for (by the YAML or flags): refused, naming them, when an explicit
+    field that matters differs; the run keeps its stored values of the others (logged)."""
+    changed = config_diff(stored, given)
+    asked = [f for f in changed if _asked(f, explicit)]
+    refused = [f for f in asked if not _neutral(f)]
+    if refused:
+        raise ValueError(
+            f"--resume: the run was configured otherwise: {_show(refused, stored, given)}; "
+            "a resumed run keeps the configuration its checkpoints were made with (drop these "
+            "settings, or start a new run)"
+        )
+    if asked:
+        log.info("resuming with the run's stored %s (they do not change the result)",
+                 _show(asked, stored, given))  # fmt: skip
+
+
+def _asked(field: str, explicit) -> bool:
+    parts = field.split(".")
+    return any(".".join(parts[: i + 1]) in explicit for i in range(len(parts)))
+
+
+def _show(fields: list[str], a: dict, b: dict, a_name: str = "run", b_name: str = "given") -> str:
+    return ", ".join(f"{f} ({a_name} {_get(a, f)!r}, {b_name} {_get(b, f)!r})" for f in fields)
+
+
+def _get(config: dict, field: str):
+    for key in field.split("."):
+        config = config.get(key) if isinstance(config, dict) else None
+    return _plain(config)
+
+
+def _plain(x):
+    if isinstance(x, tuple | list):
+        return [_plain(v) for v in x]
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    return x
