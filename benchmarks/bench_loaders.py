@@ -25,7 +25,7 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
 from tidegraph.data import bundled_path
-from tidegraph.storage.loaders import open_events
+from tidegraph.storage.ingest import open_events
 
 
 def synthetic(directory: Path, rows: int) -> dict[str, Path]:

@@ -13,8 +13,8 @@ from tidegraph.orchestrator import Orchestrator, RunState
 from tidegraph.orchestrator.rundir import RunDir
 from tidegraph.runtime import set_determinism
 from tidegraph.storage.eventlog import EventLog
+from tidegraph.storage.ingest import LoaderError, load_events
 from tidegraph.storage.live import DirectorySource, GrowingFileSource
-from tidegraph.storage.loaders import LoaderError, load_events
 from tidegraph.training import load_stream
 
 

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from tidegraph.data import bundled_path
 from tidegraph.storage.events import EventBatch
-from tidegraph.storage.loaders import (
+from tidegraph.storage.ingest import (
     ColumnMap,
     LoaderConfig,
     LoaderError,
@@ -25,7 +25,7 @@ from tidegraph.storage.loaders import (
     open_events,
     read_node_features,
 )
-from tidegraph.storage.loaders_text import CsvSource
+from tidegraph.storage.ingest.text import CsvSource
 
 
 def write(path: Path, text: str) -> Path:
@@ -403,7 +403,7 @@ def test_quarantine_counts_logs_and_keeps_valid_rows(tmp_path: Path, caplog) -> 
     path = write(tmp_path / "e.csv", "src,dst,time\n" + "\n".join(rows) + "\n")
     quarantine = tmp_path / "out" / "q.csv"
     reader = open_events(path, quarantine=quarantine, chunk_rows=2)
-    with caplog.at_level(logging.WARNING, logger="tidegraph.storage.loaders"):
+    with caplog.at_level(logging.WARNING, logger="tidegraph.storage.ingest"):
         batch = EventBatch.cat(list(reader))
     assert batch.src.tolist() == [0, 2, 5] and batch.eid.tolist() == [0, 1, 2]
     assert reader.stats.rows_read == 7 and reader.stats.rows_yielded == 3
@@ -650,7 +650,9 @@ def test_header_expected_but_first_line_is_data(tmp_path: Path) -> None:
     jodie = load_events(path, format="jodie", header=False)
     assert jodie.src.tolist() == [0, 2] and jodie.dst.tolist() == [3, 4]
     assert jodie.edge_feat.shape == (2, 1)
-    assert load_events(path, format="csv", header=False).src.tolist() == [0, 2]
+    with pytest.raises(LoaderError, match="5 columns and no header"):  # which one is time?
+        load_events(path, format="csv", header=False)
+    assert load_events(path, format="csv", header=False, columns=positional).src.tolist() == [0, 2]
     numeric_names = write(tmp_path / "n.csv", "0,1,2\n5,6,7\n")  # header=True: line 1 is one
     assert load_events(numeric_names, "csv", header=True, columns=positional).src.tolist() == [5]
 
@@ -735,22 +737,25 @@ def test_tgl_feature_dim_applies_to_the_feature_tensor(tmp_path: Path) -> None:
 def test_features_beyond_float32_range_are_rejected_not_made_infinite(
     tmp_path: Path, typed: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from tidegraph.storage.loaders_text import CsvSource
+    from tidegraph.storage.ingest.text import CsvSource
 
     monkeypatch.setattr(CsvSource, "read_typed", typed)
     text = (
         "user_id,item_id,timestamp,state_label,features\n"
-        "0,0,1.0,0,0.5,inf\n"  # an infinity written as such is a value, kept
+        "0,0,1.0,0,0.5,0.25\n"
         "1,0,2.0,0,1e39,0.5\n"  # finite, but float32 cannot hold it
         "2,1,3.0,0,0.25,-3e300\n"
+        "3,1,4.0,0,0.25,inf\n"  # an infinity written as such poisons the model too
     )
     path = write(tmp_path / "big.csv", text)
     with pytest.raises(LoaderError) as info:
         load_events(path)
     assert str(info.value) == f"{path}: line 3: feature out of float32 range: 1e+39 in column 'f0'"
     batch = load_events(path, quarantine=tmp_path / "q.csv")
-    assert batch.src.tolist() == [0] and batch.edge_feat[0].tolist() == [0.5, float("inf")]
-    assert [r["line"] for r in quarantined(tmp_path / "q.csv")] == ["3", "4"]
+    assert batch.src.tolist() == [0] and batch.edge_feat[0].tolist() == [0.5, 0.25]
+    rejected = quarantined(tmp_path / "q.csv")
+    assert [r["line"] for r in rejected] == ["3", "4", "5"]
+    assert rejected[2]["reason"] == "non-finite feature: inf in column 'f1'"
 
 
 def test_parquet_list_features_beyond_float32_range_are_rejected(tmp_path: Path) -> None:

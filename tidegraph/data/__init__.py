@@ -1,19 +1,21 @@
-"""Small real datasets bundled with the package, and where to find them.
+"""Small real datasets bundled with the package: the one registry of bundled names.
 
-- "wikipedia": JODIE Wikipedia without its edge features; CSV with header `u,i,ts,label`, item ids
-  already shifted past user ids (users 0..8226, pages 8227..9226); 157,474 events, sorted.
-- "uci" (alias "collegemsg"): SNAP CollegeMsg; space-separated `src dst t`, no header; node ids
-  1..1899; 59,835 events, sorted.
+- "wikipedia" (alias "wiki"): JODIE Wikipedia without its edge features; CSV with header
+  `u,i,ts,label`, item ids already shifted past user ids (users 0..8226, pages 8227..9226);
+  157,474 events, sorted.
+- "uci" (aliases "collegemsg", "uci-msg"): SNAP CollegeMsg; space-separated `src dst t`, no
+  header; node ids 1..1899; 59,835 events, sorted.
 
-Both load with `tidegraph.storage.loaders.load_events(bundled_path(name))` (format "auto").
-Provenance and statistics: the data README of the project.
+Both load with `tidegraph.storage.ingest.load_events(bundled_path(name))` (format "auto");
+`tidegraph.training.data.load_stream` takes the names too. Provenance and statistics: the data
+README of the project.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["BUNDLED", "bundled_names", "bundled_path"]
+__all__ = ["BUNDLED", "bundled_names", "bundled_path", "is_bundled"]
 
 DATA_DIR = Path(__file__).resolve().parent
 
@@ -27,6 +29,11 @@ _ALIASES = {"wiki": "wikipedia", "collegemsg": "uci", "uci-msg": "uci"}
 def bundled_names() -> list[str]:
     """Names accepted by `bundled_path`, aliases excluded."""
     return sorted(BUNDLED)
+
+
+def is_bundled(name: str) -> bool:
+    """Whether `name` (case-insensitive, aliases included) names a bundled dataset."""
+    return _ALIASES.get(name.lower(), name.lower()) in BUNDLED
 
 
 def bundled_path(name: str) -> Path:

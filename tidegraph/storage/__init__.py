@@ -9,8 +9,14 @@ from tidegraph.storage.features import (
     InMemoryFeatureStore,
 )
 from tidegraph.storage.graph import DynamicGraph
-from tidegraph.storage.loaders import load_events, open_events, read_node_features
-from tidegraph.storage.loaders_config import ColumnMap, LoaderConfig, LoaderError
+from tidegraph.storage.ingest import (
+    ColumnMap,
+    LoaderConfig,
+    LoaderError,
+    load_events,
+    open_events,
+    read_node_features,
+)
 
 __all__ = [
     "CacheConfig",

@@ -47,9 +47,9 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 
 from tidegraph.storage.events import EventBatch
-from tidegraph.storage.loaders import LoaderConfig, LoaderError, load_events
-from tidegraph.storage.loaders_sources import detect_format
-from tidegraph.storage.loaders_text import Peek, jodie_source
+from tidegraph.storage.ingest import LoaderConfig, LoaderError, load_events
+from tidegraph.storage.ingest.sources import detect_format
+from tidegraph.storage.ingest.text import Peek, jodie_source
 
 __all__ = ["DirectorySource", "GrowingFileSource", "open_source"]
 

@@ -15,7 +15,7 @@ from tidegraph.comm.config import CommConfig
 from tidegraph.models.config import ModelConfig
 from tidegraph.storage.cache import POLICIES
 from tidegraph.storage.features import PRECISIONS
-from tidegraph.storage.loaders_config import FORMATS
+from tidegraph.storage.ingest import FORMATS, parse_columns, parse_features
 
 __all__ = [
     "ClusterConfig",
@@ -33,6 +33,12 @@ class DataConfig:
     max_events: int | None = None
     format: str = "auto"  # of a file: auto, jodie, tgl, snap, csv or parquet
     quarantine: str | None = None  # a file: rejected rows go there instead of failing the run
+    # of a file: which columns hold src, dst, time (label, features): a mapping or
+    # "src=0,dst=1,time=3" (positions or header names); None: found by header names, or
+    # columns 0, 1, 2 of a headerless file of three columns
+    columns: dict | str | None = None
+    header: bool | None = None  # of a file: whether line 1 names columns; None: the format's
+    features: list | str | int | None = None  # of a file: edge-feature columns ("4-9,rating")
     # edge features (files that have them): host store in this precision, device cache of
     # this fraction of the rows (pass-through on the CPU)
     feature_precision: str = "fp32"
@@ -44,6 +50,8 @@ class DataConfig:
             raise ValueError(f"data.max_events must be >= 10 or None, got {self.max_events}")
         if self.format not in FORMATS:
             raise ValueError(f"data.format must be one of {FORMATS}, got {self.format!r}")
+        parse_columns(self.columns, "data.columns")  # raises naming the field
+        parse_features(self.features, "data.features")
         if self.feature_precision not in PRECISIONS:
             raise ValueError(
                 f"data.feature_precision must be one of {PRECISIONS}, "

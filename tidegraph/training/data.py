@@ -1,32 +1,29 @@
-"""Loading a dataset as one time-ordered `EventBatch`: the single place that reads files.
+"""Loading a dataset as one time-ordered `EventBatch`: the single place training reads files.
 
-`load_stream` accepts a bundled name (`wikipedia`, `collegemsg`) or a path. The bundled files are
-read here directly with pyarrow (known-good files whose ids are already dense: wikipedia's items
-follow its users). Any other path goes through `tidegraph.storage.loaders.load_events`: every
-format the loaders read (detected from the file), with their validation and error messages,
-quarantine of bad rows when asked, and an in-memory sort (the whole stream is loaded anyway);
-edge features come along. Nothing else in training reads files.
+`load_stream` accepts a bundled name (the registry is `tidegraph.data`: `wikipedia`, `uci`
+and their aliases such as `collegemsg`) or a path. Both go through
+`tidegraph.storage.ingest.load_events`: every format the loaders read (detected from the file),
+with their validation and error messages, quarantine of bad rows when asked, and an in-memory
+sort (the whole stream is loaded anyway); edge features come along when the format has them or
+the data section names them. `stream_for(config.data)` applies every option of a `DataConfig`.
+Nothing else in training reads files.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 
-import numpy as np
-import pyarrow.csv as pacsv
 import torch
 
+from tidegraph.data import bundled_names, bundled_path, is_bundled
 from tidegraph.storage.events import EventBatch
-from tidegraph.storage.loaders import load_events
+from tidegraph.storage.ingest import load_events, parse_columns, parse_features
 
-__all__ = ["BUNDLED", "Stream", "load_stream", "stream_of"]
+__all__ = ["Stream", "load_stream", "stream_for", "stream_of"]
 
-BUNDLED = {
-    "wikipedia": "wikipedia_u_i_ts_label.csv.gz",
-    "collegemsg": "CollegeMsg.txt.gz",
-}
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -45,66 +42,67 @@ def load_stream(
     *,
     format: str = "auto",
     quarantine: str | None = None,
+    columns: str | dict | None = None,
+    header: bool | None = None,
+    features: str | list | None = None,
 ) -> Stream:
-    """The stream of a bundled name or a file; `format` and `quarantine` apply to files."""
-    if dataset.lower() not in BUNDLED:
-        return _load_file(_resolve(dataset), max_events, format, quarantine)
-    path = _resolve(dataset)
-    if path.name.startswith("CollegeMsg"):
-        table = pacsv.read_csv(
-            path,
-            read_options=pacsv.ReadOptions(column_names=["u", "i", "ts"]),
-            parse_options=pacsv.ParseOptions(delimiter=" "),
-        )
+    """The stream of a bundled name or a file; the other options apply to files (the bundled
+    files are read with their known layout)."""
+    num_nodes = None
+    if is_bundled(dataset):
+        path = bundled_path(dataset)
+        log.info("bundled dataset %s: %s", dataset, path)
+        events = load_events(path, sort="full")
+        num_nodes = _num_nodes(events)  # of the whole file, as always for bundled data
     else:
-        table = pacsv.read_csv(path)
-    cols = table.column_names
-    src = table.column(cols[0]).to_numpy().astype(np.int64)
-    dst = table.column(cols[1]).to_numpy().astype(np.int64)
-    t = table.column(cols[2]).to_numpy().astype(np.float64)
-    label = table.column(cols[3]).to_numpy().astype(np.int64) if len(cols) > 3 else None
-    order = np.argsort(t, kind="stable")
-    if max_events is not None:
-        order = order[:max_events]
-    n = len(order)
-    events = EventBatch(
-        src=torch.from_numpy(src[order].copy()),
-        dst=torch.from_numpy(dst[order].copy()),
-        t=torch.from_numpy(t[order].copy()),
-        eid=torch.arange(n),
-        label=None if label is None else torch.from_numpy(label[order].copy()),
-    )
-    num_nodes = int(max(src.max(), dst.max())) + 1 if len(src) else 0
-    return Stream(events=events, num_nodes=num_nodes, edge_dim=0, name=path.name)
-
-
-def _load_file(path: Path, max_events: int | None, format: str, quarantine: str | None):
-    events = load_events(path, format, sort="full", quarantine=quarantine)
+        path = _resolve(dataset)
+        options = {
+            "columns": parse_columns(columns, "data.columns"),
+            "features": parse_features(features, "data.features"),
+            "header": header,
+        }
+        events = load_events(path, format, sort="full", quarantine=quarantine, **options)
     if max_events is not None:
         events = events.select(slice(0, max_events))
     if len(events) == 0:
         raise ValueError(f"data.dataset: {path} holds no valid events")
-    return stream_of(events, path.name)
+    stream = stream_of(events, path.name)
+    if num_nodes is not None:
+        stream.num_nodes = num_nodes
+    return stream
+
+
+def stream_for(data) -> Stream:
+    """The stream a `DataConfig` names, with all its loader options."""
+    return load_stream(
+        data.dataset,
+        data.max_events,
+        format=data.format,
+        quarantine=data.quarantine,
+        columns=data.columns,
+        header=data.header,
+        features=data.features,
+    )
 
 
 def stream_of(events: EventBatch, name: str) -> Stream:
     """`events` (time-ordered, not empty) as a stream: eids become their positions, the rows
     of the stream and of its edge-feature store."""
     events.eid = torch.arange(len(events))
-    num_nodes = int(torch.maximum(events.src.max(), events.dst.max())) + 1
     feat = events.edge_feat
     edge_dim = 0 if feat is None else int(feat.shape[1])
-    return Stream(events=events, num_nodes=num_nodes, edge_dim=edge_dim, name=name)
+    return Stream(events=events, num_nodes=_num_nodes(events), edge_dim=edge_dim, name=name)
+
+
+def _num_nodes(events: EventBatch) -> int:
+    return int(torch.maximum(events.src.max(), events.dst.max())) + 1
 
 
 def _resolve(dataset: str) -> Path:
-    key = dataset.lower()
-    if key in BUNDLED:
-        return Path(str(resources.files("tidegraph.data") / BUNDLED[key]))
     path = Path(dataset)
     if not path.exists():
         raise ValueError(
-            f"data.dataset: {dataset!r} is neither a bundled dataset {sorted(BUNDLED)} "
-            "nor an existing file"
+            f"data.dataset: {dataset!r} is neither a bundled dataset {bundled_names()} "
+            "(or an alias such as 'collegemsg') nor an existing file"
         )
     return path

@@ -1,8 +1,8 @@
 """Delimited text files for the event loaders: CSV, SNAP edge lists and JODIE CSV.
 
-Internal to `tidegraph.storage.loaders`. Files are read with pyarrow's streaming CSV reader
+Internal to `tidegraph.storage.ingest`. Files are read with pyarrow's streaming CSV reader
 (`pyarrow.csv.open_csv`, `.gz`/`.bz2` decompressed on the fly), one block (<= 4 MiB) at a time,
-never whole. Id, time and label columns are read as text and parsed by `loaders_parse`, so a bad
+never whole. Id, time and label columns are read as text and parsed by `parse`, so a bad
 value rejects one row instead of failing a block. Feature columns are read as float64 by pyarrow
 itself (wide files spend most of their time there), which fails a whole block on one bad value;
 the file is then read again as text from the first row not yet handed out, and the text path
@@ -39,6 +39,7 @@ Assumptions:
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -47,8 +48,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 
-from tidegraph.storage.loaders_config import ColumnMap, LoaderConfig, LoaderError
-from tidegraph.storage.loaders_parse import IdRules, RawChunk, Rejects, int64_text_fits
+from tidegraph.storage.ingest.config import ColumnMap, LoaderConfig, LoaderError
+from tidegraph.storage.ingest.parse import IdRules, RawChunk, Rejects, int64_text_fits, values_at
 
 _PEEK_BYTES = 1 << 16
 _COMMENTS = ("#", "%")
@@ -67,8 +68,11 @@ class Peek:
     """The first lines of a text file: comment lines to skip, first lines, line lengths."""
 
     def __init__(self, path: Path) -> None:
-        with pa.input_stream(str(path), compression="detect") as stream:
-            raw = stream.read(_PEEK_BYTES)
+        try:
+            with pa.input_stream(str(path), compression="detect") as stream:
+                raw = stream.read(_PEEK_BYTES)
+        except (OSError, pa.ArrowException) as exc:  # a truncated or corrupt compressed file
+            raise LoaderError(path, None, f"cannot read: {exc}") from None
         lines = raw.decode("utf-8-sig", errors="replace").splitlines()  # -sig: drop a BOM
         self.complete = len(raw) < _PEEK_BYTES
         if not self.complete and len(lines) > 1:
@@ -120,6 +124,12 @@ class CsvSource:
 
     unit = "line"
     read_typed = True  # feature columns as float64 first; tests set False for the text path
+    feature_source = ""  # where the feature columns are, for the log
+    unused: list = []  # columns read by no role (names, or positions without a header)
+
+    @property
+    def feature_count(self) -> int:
+        return len(self.features)
 
     def __init__(
         self,
@@ -178,7 +188,10 @@ class CsvSource:
         was handed out.
         """
         resume, seen = self._read, 0
-        reader = self._open(threads, typed)
+        try:
+            reader = self._open(threads, typed)
+        except OSError as exc:  # a truncated or corrupt compressed stream
+            raise self._unreadable(exc) from None
         if isinstance(reader, str):
             return reader
         try:
@@ -189,9 +202,16 @@ class CsvSource:
                 seen += batch.num_rows
                 for start in range(0, fresh.num_rows, self.chunk_rows):
                     yield self._chunk(fresh.slice(start, self.chunk_rows))
+        except OSError as exc:
+            raise self._unreadable(exc) from None
         finally:
             reader.close()
         return "complete"
+
+    def _unreadable(self, exc: OSError) -> LoaderError:
+        read = self.rows_seen
+        reason = f"cannot read the file past its first {read} data rows: {exc}"
+        return LoaderError(self.path, None, reason)
 
     def _failure(self, threads: bool, typed: bool):
         """What a pass does when pyarrow fails a block: the outcome that reads it again, or a
@@ -217,7 +237,7 @@ class CsvSource:
         names, delimiter, quote = self.column_names, self.delimiter, '"'
         if self.whitespace:  # one column of whole lines ("\x1f", unit separator, never used)
             wanted, names, delimiter, quote = [_LINE], [_LINE], "\x1f", False
-        types = {c: pa.string() for c in wanted}
+        types = {c: pa.binary() for c in wanted}  # UTF-8 checked per chunk: one bad row, one reject
         if typed:
             types.update({c: pa.float64() for c in self.typed})
         read = pacsv.ReadOptions(
@@ -272,10 +292,14 @@ class CsvSource:
         if batch is None:
             columns = {k: pa.array([], pa.string()) for k in wanted}
         elif self.whitespace:
-            columns, lines, short = self._split(batch.column(0), lines, wanted)
-            rejects = Rejects.cat([rejects, short])
+            (text,), lines, undecoded = decode_utf8([batch.column(0)], [None], lines)
+            columns, lines, short = self._split(text, lines, wanted)
+            rejects = Rejects.cat([rejects, undecoded, short])
         else:
-            columns = {k: batch.column(c) for k, c in wanted.items()}
+            arrays = [batch.column(c) for c in wanted.values()]
+            arrays, lines, undecoded = decode_utf8(arrays, list(wanted.values()), lines)
+            columns = dict(zip(wanted, arrays, strict=True))
+            rejects = Rejects.cat([rejects, undecoded])
         return RawChunk(columns, dict(self.roles), lines, list(self.features), rejects=rejects)
 
     def _split(
@@ -293,7 +317,7 @@ class CsvSource:
             reasons = [
                 f"{self.width_kind}: row has {k} fields, expected {expected}" for k in counts[index]
             ]
-            short = Rejects(lines[index], reasons, _values(text, index))
+            short = Rejects(lines[index], reasons, values_at(text, index))
             keep = pa.array(np.flatnonzero(~bad))
             fields, lines = fields.take(keep), lines[~bad]
         else:
@@ -317,12 +341,50 @@ class CsvSource:
         return Rejects(lines, [p[1] for p in out], [p[2] for p in out])
 
 
-def _values(array: pa.Array, index: np.ndarray) -> list[str]:
-    return array.take(pa.array(index)).to_pylist()
+def decode_utf8(
+    arrays: list[pa.Array], names: list[str | None], lines: np.ndarray
+) -> tuple[list[pa.Array], np.ndarray, Rejects]:
+    """Binary columns as UTF-8 strings; rows with invalid UTF-8 in any of them become rejects
+    (their text decoded with replacement characters) and are dropped from the arrays."""
+    try:
+        return [a.cast(pa.string()) for a in arrays], lines, Rejects.empty()
+    except pa.ArrowInvalid:
+        pass
+    bad = np.zeros(len(lines), dtype=bool)
+    reason: dict[int, str] = {}
+    for array, name in zip(arrays, names, strict=True):
+        for i in _invalid_utf8(array, 0):
+            if not bad[i]:
+                where = "the line" if name is None else f"column '{name}'"
+                reason[i] = f"invalid UTF-8: {where} holds {array[i].as_py()!r}"
+            bad[i] = True
+    index = np.flatnonzero(bad)
+    texts = [",".join(a[int(i)].as_py().decode("utf-8", "replace") for a in arrays) for i in index]
+    rejects = Rejects(lines[index], [reason[int(i)] for i in index], texts)
+    keep = pa.array(np.flatnonzero(~bad))
+    decoded = [a.take(keep).cast(pa.string()) for a in arrays]
+    return decoded, lines[~bad], rejects
+
+
+def _invalid_utf8(array: pa.Array, offset: int) -> list[int]:
+    """Positions of values that are not valid UTF-8, by bisection: one cast per half, so a
+    few bad values among many cost a few dozen vectorized casts."""
+    try:
+        array.cast(pa.string())
+        return []
+    except pa.ArrowInvalid:
+        if len(array) == 1:
+            return [offset]
+    half = len(array) // 2
+    return _invalid_utf8(array.slice(0, half), offset) + _invalid_utf8(
+        array.slice(half), offset + half
+    )
 
 
 def _guarded(reader: pacsv.CSVStreamingReader, failure) -> Iterator[pa.RecordBatch | str]:
-    """Batches of `reader`; a block pyarrow fails ends them with `failure(exc)` (an outcome)."""
+    """Batches of `reader`; a block pyarrow fails ends them with `failure(exc)` (an outcome).
+    A file that cannot be read on (a truncated or corrupt compressed stream) is a LoaderError
+    raised by `failure` too."""
     while True:
         try:
             batch = reader.read_next_batch()
@@ -356,14 +418,18 @@ def text_source(
         names = [f.strip('"') for f in peek.first().split(delimiter)]  # as pyarrow names them
         if whitespace:
             names = peek.first().split()
-        columns = columns or infer_columns(names, path, header_line)
+        columns = with_features(columns or infer_columns(names, path, header_line), cfg, path)
     else:
-        columns = columns or ColumnMap(src=0, dst=1, time=2)
-        width = len(split_snap(peek.first(), delimiter)) if peek.lines else _min_width(columns)
+        fields = split_snap(peek.first(), delimiter)
+        if columns is None:
+            _require_unambiguous(fields, path, header_line)
+        columns = with_features(columns or ColumnMap(src=0, dst=1, time=2), cfg, path)
+        width = len(fields) if peek.lines else _min_width(columns)
         names = [f"f{i}" for i in range(width)]
     roles, features = resolve_columns(columns, names, path, header_line if header else None, "line")
     check_width(len(features), cfg.feature_dim, path, header_line)
-    return CsvSource(
+    unused = [n for n in names if n not in roles.values() and n not in features]
+    source = CsvSource(
         path,
         roles=roles,
         features=features,
@@ -375,6 +441,36 @@ def text_source(
         whitespace=whitespace,
         empty=peek.complete and len(peek.lines) <= int(header),
     )
+    where = "columns" if header else "columns at positions"
+    shown = features if header else [n[1:] for n in features]  # f4 -> 4
+    source.feature_source = f"{where} {shown} of {path}" if features else ""
+    source.unused = unused if header else [int(n[1:]) for n in unused]
+    return source
+
+
+def _require_unambiguous(fields: list[str], path: Path, line: int) -> None:
+    """Without a header and a column map, columns 0, 1, 2 are src, dst, time; with more than
+    three columns any of them could be the time (`src,dst,rating,time`): refuse to guess."""
+    if len(fields) <= 3:
+        return
+    shown = ", ".join(f"{i}: {f!r}" for i, f in enumerate(fields[:12]))
+    more = f" (and {len(fields) - 12} more)" if len(fields) > 12 else ""
+    reason = (
+        f"{len(fields)} columns and no header ({shown}{more}): which is the time is ambiguous; "
+        "name the columns, e.g. --columns src=0,dst=1,time=3 (and --features 2 to use another "
+        "column as an edge feature), with --no-header for a headerless --format csv file "
+        "(API: columns=ColumnMap(src=0, dst=1, time=3), header=False)"
+    )
+    raise LoaderError(path, line, reason)
+
+
+def with_features(columns: ColumnMap, cfg: LoaderConfig, path: Path) -> ColumnMap:
+    """`columns` with the feature columns of `cfg.features` (when given)."""
+    if cfg.features is None:
+        return columns
+    if columns.features is not None:
+        raise LoaderError(path, None, "feature columns named twice: in columns and in features")
+    return dataclasses.replace(columns, features=cfg.features)
 
 
 def _irregular(lines: list[str], delimiter: str) -> bool:
@@ -426,6 +522,7 @@ def jodie_source(path: Path, cfg: LoaderConfig) -> tuple[CsvSource, IdRules]:
         width_kind=f"feature width mismatch ({len(features)} features expected)",
         empty=peek.complete and len(peek.lines) <= int(header),
     )
+    source.feature_source = f"JODIE fields 5-{width} of {path}"
     num_users = cfg.num_users if cfg.num_users is not None else _max_user(source) + 1
     return source, IdRules(dst_offset=num_users, src_bound=num_users, node_bound=cfg.num_nodes)
 

@@ -3,7 +3,7 @@
 Formats: JODIE CSV (`user_id,item_id,timestamp,state_label,f1..fk`), TGL directories
 (`edges.csv` + optional `edge_features.pt` / `node_features.pt`), SNAP-style edge lists
 (`src dst t`, no header), any CSV through a `ColumnMap`, and Parquet. `format="auto"` picks one
-from the path (see `loaders_sources.detect_format`).
+from the path (see `sources.detect_format`).
 
     reader = open_events("wiki.csv.gz", sort=True, quarantine="bad_rows.csv")
     for batch in reader:          # EventBatch, time order, eid = 0, 1, 2, ... over the stream
@@ -19,7 +19,7 @@ Assumptions and rules:
   raise `LoaderError` naming file, line and reason (the first bad row in file order); with
   `quarantine=PATH` they are written to that CSV (columns `line,reason,text`) instead, counted in
   `stats`, and a warning is logged. Valid rows are never dropped.
-- Line numbers: see `loaders_text` (1-based, header included, blank lines not counted).
+- Line numbers: see `text` (1-based, header included, blank lines not counted).
   Parquet files report 1-based row positions instead.
 """
 
@@ -38,28 +38,17 @@ import pyarrow.csv as pacsv
 import torch
 
 from tidegraph.storage.events import EventBatch
-from tidegraph.storage.loaders_config import ColumnMap, LoaderConfig, LoaderError
-from tidegraph.storage.loaders_order import FullSorter, Reorderer
-from tidegraph.storage.loaders_parse import IdRules, Rejects, Rows, parse_chunk
-from tidegraph.storage.loaders_sources import (
+from tidegraph.storage.ingest.config import LoaderConfig, LoaderError
+from tidegraph.storage.ingest.order import FullSorter, Reorderer
+from tidegraph.storage.ingest.parse import IdRules, RawChunk, Rejects, Rows, parse_chunk
+from tidegraph.storage.ingest.sources import (
     ParquetSource,
     Source,
     TglSource,
     detect_format,
     load_tensor,
 )
-from tidegraph.storage.loaders_text import jodie_source, text_source
-
-__all__ = [
-    "ColumnMap",
-    "EventReader",
-    "LoadStats",
-    "LoaderConfig",
-    "LoaderError",
-    "load_events",
-    "open_events",
-    "read_node_features",
-]
+from tidegraph.storage.ingest.text import jodie_source, text_source
 
 logger = logging.getLogger(__name__)
 
@@ -90,8 +79,27 @@ class EventReader:
         if not self.path.exists():
             raise LoaderError(self.path, None, "no such file or directory")
         self.format = config.format if config.format != "auto" else detect_format(self.path)
-        self._source, self._rules = self._make_source()
+        try:
+            self._source, self._rules = self._make_source()
+        except (OSError, pa.ArrowException) as exc:  # LoaderError is neither
+            raise LoaderError(self.path, None, f"cannot read: {exc}") from None
         self.stats = LoadStats()
+        self._log_features()
+
+    def _log_features(self) -> None:
+        """How many edge-feature columns are read and from where; unread columns too."""
+        src = self._source
+        if src.feature_count:
+            logger.info("edge features: %d columns from %s", src.feature_count, src.feature_source)
+            return
+        unused = getattr(src, "unused", [])
+        if unused:
+            logger.info(
+                "no edge features read from %s; its columns %s are not read (name them with "
+                "--features, data.features or LoaderConfig.features)",
+                src.path,
+                unused,
+            )
 
     def _make_source(self) -> tuple[Source, IdRules]:
         cfg, fmt, rules = self.config, self.format, IdRules(node_bound=self.config.num_nodes)
@@ -112,7 +120,7 @@ class EventReader:
 
     def node_features(self) -> torch.Tensor | None:
         """TGL `node_features.pt` (memory-mapped) next to the edges; None if there is none."""
-        return read_node_features(self.path) if self.format == "tgl" else None
+        return read_node_features(self._source.directory) if self.format == "tgl" else None
 
     def __iter__(self) -> Iterator[EventBatch]:
         self.stats = LoadStats()
@@ -120,7 +128,7 @@ class EventReader:
         order = FullSorter() if window is None else Reorderer(window)
         out = _Batcher(self.config.chunk_rows, self.stats)
         with _Quarantine(self.config.quarantine) as quarantine:
-            for chunk in self._source.chunks():
+            for chunk in _readable(self._source):
                 self.stats.rows_read += len(chunk.lines) + _count(chunk.rejects)
                 rows, rejects = parse_chunk(chunk, self._rules, self.config.feature_dim)
                 ready, late, bound = order.push(rows)
@@ -201,6 +209,15 @@ class _Batcher:
         self._eid += len(rows)
         self.stats.rows_yielded += len(rows)
         return batch
+
+
+def _readable(source: Source) -> Iterator[RawChunk]:
+    """The chunks of `source`; an I/O or Arrow failure (a corrupt file) is a LoaderError
+    naming it."""
+    try:
+        yield from source.chunks()
+    except (OSError, pa.ArrowException) as exc:  # LoaderError is neither
+        raise LoaderError(source.path, None, f"cannot read: {exc}") from None
 
 
 def _count(rejects: Rejects | None) -> int:

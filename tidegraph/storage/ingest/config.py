@@ -1,17 +1,27 @@
-"""Configuration and errors of the event loaders (`tidegraph.storage.loaders`).
+"""Configuration and errors of the event loaders (`tidegraph.storage.ingest`).
 
 `ColumnMap` says which file columns hold src, dst, time, label and features; a column is named by
 its header name or by its 0-based position (positions are the only way for files without a
 header). `LoaderConfig` holds every option of `open_events`; it is validated on construction and
-each message names the field to fix.
+each message names the field to fix. `parse_columns` / `parse_features` read the
+command-line spellings (`src=0,dst=1,time=3`, `4-9,rating`) and their YAML forms.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["ColumnMap", "LoaderConfig", "LoaderError", "FORMATS", "SORT_MODES"]
+__all__ = [
+    "ColumnMap",
+    "LoaderConfig",
+    "LoaderError",
+    "FORMATS",
+    "SORT_MODES",
+    "parse_columns",
+    "parse_features",
+]
 
 FORMATS = ("auto", "jodie", "tgl", "snap", "csv", "parquet")
 SORT_MODES = (False, True, "window", "full")
@@ -56,6 +66,72 @@ class ColumnMap:
         return self.features if isinstance(self.features, tuple) else (self.features,)
 
 
+_ROLES = ("src", "dst", "time", "label", "features")
+
+
+def parse_columns(spec: str | Mapping | None, field: str = "columns") -> ColumnMap | None:
+    """A `ColumnMap` from `src=0,dst=1,time=3[,label=2][,features=4-9]` or a mapping of the same
+    roles (YAML); a column is a 0-based position or a header name. Errors name `field`."""
+    if spec is None or isinstance(spec, ColumnMap):
+        return spec
+    if isinstance(spec, str):
+        pairs = [p.split("=", 1) for p in spec.split(",") if p.strip()]
+        spec_map: dict = {}
+        for pair in pairs:
+            if len(pair) != 2:
+                raise ValueError(f"{field}: expected role=column pairs such as "
+                                 f"src=0,dst=1,time=3, got {spec!r}")  # fmt: skip
+            spec_map.setdefault(pair[0].strip(), []).append(pair[1].strip())
+        spec = {k: (v if k == "features" else v[0]) for k, v in spec_map.items()}
+        if "features" in spec:
+            spec["features"] = parse_features(",".join(spec["features"]), f"{field}.features")
+        spec = {k: _column(v) if k != "features" else v for k, v in spec.items()}
+    if not isinstance(spec, Mapping):
+        raise ValueError(f"{field}: a mapping of {_ROLES} to columns expected, got {spec!r}")
+    unknown = sorted(set(spec) - set(_ROLES))
+    if unknown:
+        raise ValueError(f"{field}: unknown roles {unknown}; known: {list(_ROLES)}")
+    spec = dict(spec)
+    if isinstance(spec.get("features"), list):
+        spec["features"] = tuple(spec["features"])
+    try:
+        return ColumnMap(**spec)
+    except ValueError as err:
+        raise ValueError(f"{field}: {err}") from None
+
+
+def parse_features(
+    spec: str | int | list | tuple | None, field: str = "features"
+) -> tuple[Column, ...] | Column | None:
+    """Feature columns from `4-9,rating` (positions, inclusive ranges of positions, header
+    names) or a list (YAML); one name alone may be a list-typed (Parquet) column."""
+    if spec is None:
+        return None
+    if isinstance(spec, str):
+        items: list[Column] = []
+        for part in (p.strip() for p in spec.split(",")):
+            lo, dash, hi = part.partition("-")
+            if dash and lo.isdigit() and hi.isdigit():
+                if int(hi) < int(lo):
+                    raise ValueError(f"{field}: empty range {part!r}")
+                items.extend(range(int(lo), int(hi) + 1))
+            elif part:
+                items.append(_column(part))
+        if not items:
+            raise ValueError(f"{field}: no columns named in {spec!r}")
+        spec = items[0] if len(items) == 1 and isinstance(items[0], str) else tuple(items)
+    elif isinstance(spec, list):
+        spec = tuple(spec)
+    try:
+        return ColumnMap(features=spec).features
+    except ValueError as err:
+        raise ValueError(f"{field}: {err}") from None
+
+
+def _column(text: str) -> Column:
+    return int(text) if text.isdigit() else text
+
+
 def _check_column(value: object, field: str, optional: bool) -> None:
     if value is None and optional:
         return
@@ -78,6 +154,8 @@ class LoaderConfig:
     num_users: JODIE only; item ids are shifted by it. None = a first pass over the user column.
     num_nodes: when set, ids must be < num_nodes.
     feature_dim: when set, the file's feature width must equal it.
+    features: feature columns added to `columns` (given or found by name): a tuple of columns
+          or one list-typed column; not both here and in `columns.features`.
     header: whether line 1 names the columns; None = the format's default (CSV, TGL and JODIE
           have one, refused when line 1 is all numbers; SNAP has none). False reads a CSV or
           JODIE file without one (columns by 0-based position); True forces one.
@@ -94,6 +172,7 @@ class LoaderConfig:
     feature_dim: int | None = None
     delimiter: str | None = None
     header: bool | None = None
+    features: tuple[Column, ...] | Column | None = None
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
@@ -107,6 +186,12 @@ class LoaderConfig:
         for name in ("num_users", "num_nodes", "feature_dim"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name), allow_zero=name == "feature_dim")
+        if self.features is not None:
+            self.features = parse_features(self.features, "LoaderConfig.features")
+            if self.columns is not None and self.columns.features is not None:
+                raise ValueError(
+                    "LoaderConfig.features: feature columns are already named in columns.features"
+                )
         if self.delimiter is not None and len(self.delimiter) != 1:
             raise ValueError(
                 f"LoaderConfig.delimiter must be one character, got {self.delimiter!r}"

@@ -1,6 +1,6 @@
 """Time order for the event loaders: the check, the bounded reorder window, and the full sort.
 
-Internal to `tidegraph.storage.loaders`. Rows arrive in file order (their arrival index counts
+Internal to `tidegraph.storage.ingest`. Rows arrive in file order (their arrival index counts
 valid rows only). With a reorder window of W rows, row i is *late* when its time is earlier than
 the latest time among rows 0..i-W-1, i.e. an event may arrive up to W rows after events with a
 later time. W = 0 means time must never decrease. Late rows are returned to the caller, which
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tidegraph.storage.loaders_parse import Rows
+from tidegraph.storage.ingest.parse import Rows
 
 
 class Reorderer:

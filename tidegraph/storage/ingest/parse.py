@@ -1,6 +1,6 @@
 """Vectorized conversion and validation of one chunk of raw columns into typed event rows.
 
-Internal to `tidegraph.storage.loaders`. A source hands over a chunk whose columns are named by
+Internal to `tidegraph.storage.ingest`. A source hands over a chunk whose columns are named by
 role (`src`, `dst`, `time`, optional `label`, feature columns) and hold either text (CSV) or
 native numbers (Parquet, and CSV feature columns that pyarrow read as float64). Each column is
 parsed with one pyarrow cast on the fast path; only a chunk that fails the cast is diagnosed row
@@ -9,7 +9,8 @@ nulls are stacked as they are: no value of theirs can fail a check.
 
 Assumptions:
 - Ids are integers >= 0; a value such as "3.0" or "1e3" that is integral is accepted as an id.
-- Time must be a finite number; labels and features must be numbers (NaN features are kept).
+- Time must be a finite number; labels must be numbers; features must be finite numbers
+  (a NaN or infinite feature fails its row: the model cannot train on it).
 - The first failed check of a row is its reason; a row has one reason.
 """
 
@@ -139,11 +140,16 @@ def parse_chunk(chunk: RawChunk, rules: IdRules, feature_dim: int | None) -> tup
         label = _parse_float(cols["label"], names["label"], checks, "label").astype(np.float32)
     if chunk.feat is not None:  # TGL: rows of edge_features.pt
         feat = chunk.feat
+        feature_names = [f"edge_features.pt[:, {j}]" for j in range(feat.shape[1])]
         if feat.dtype == np.float64:
-            names = [f"edge_features.pt[:, {j}]" for j in range(feat.shape[1])]
-            feat = _to_float32(feat, names, checks)
+            feat = _to_float32(feat, feature_names, checks)
     else:
         feat = _parse_features(chunk, checks, feature_dim)
+        feature_names = chunk.feature_names
+        if feat is not None and len(feature_names) == 1 and feat.shape[1] != 1:
+            feature_names = feature_names * feat.shape[1]  # one list column
+    if feat is not None:
+        _check_finite(feat, feature_names, checks)
     dst = _apply_rules(src, dst, rules, checks)
     keep = np.flatnonzero(~checks.bad)
     rows = Rows(src=src, dst=dst, t=t, lines=chunk.lines, label=label).take(keep)
@@ -166,7 +172,8 @@ def _row_texts(columns: dict[str, pa.Array], index: np.ndarray) -> list[str]:
     return [",".join("" if v is None else str(v) for v in row) for row in zip(*picked, strict=True)]
 
 
-def _values(array: pa.Array, index: np.ndarray) -> list:
+def values_at(array: pa.Array, index: np.ndarray) -> list:
+    """The values of `array` at positions `index`, as Python objects (for messages)."""
     return array.take(pa.array(index)).to_pylist()
 
 
@@ -207,7 +214,7 @@ def _parse_id_slow(array: pa.Array, name: str, checks: _Checks) -> np.ndarray:
     as_float = _parse_float(array, name, checks, what="id")
     integral = np.isfinite(as_float) & (np.floor(as_float) == as_float)
     non_integer = "non-integer id: {!r} in column '" + name + "'"
-    checks.fail(~integral, lambda i: [non_integer.format(v) for v in _values(array, i)])
+    checks.fail(~integral, lambda i: [non_integer.format(v) for v in values_at(array, i)])
     fits = np.abs(as_float) < _TWO_63  # what a float can say; integer text is decided exactly
     values = np.where(integral & fits, as_float, 0).astype(np.int64)
     exact = _exact_ints(array)
@@ -215,7 +222,7 @@ def _parse_id_slow(array: pa.Array, name: str, checks: _Checks) -> np.ndarray:
         exact_values, is_int, int_fits = exact
         fits = np.where(is_int, int_fits, fits)
         values = np.where(is_int & int_fits, exact_values, values)
-    checks.fail(integral & ~fits, lambda i: [_out_of_range(v, name) for v in _values(array, i)])
+    checks.fail(integral & ~fits, lambda i: [_out_of_range(v, name) for v in values_at(array, i)])
     return values
 
 
@@ -276,7 +283,8 @@ def _parse_float(array: pa.Array, name: str, checks: _Checks, what: str = "value
     values = _cast_float_tolerant(cleaned)
     bad = ~looks.to_numpy(zero_copy_only=False) | np.isnan(values) & ~_nan_text(text)
     checks.fail(
-        bad, lambda i: [f"non-numeric {what}: {v!r} in column '{name}'" for v in _values(array, i)]
+        bad,
+        lambda i: [f"non-numeric {what}: {v!r} in column '{name}'" for v in values_at(array, i)],
     )
     return values
 
@@ -317,6 +325,24 @@ def _parse_features(chunk: RawChunk, checks: _Checks, feature_dim: int | None) -
         columns = [_parse_float(chunk.columns[c], c, checks, what="feature") for c in names]
         values = np.stack(columns, axis=1)
     return _to_float32(values, names, checks)
+
+
+def _check_finite(feat: np.ndarray, names: list[str], checks: _Checks) -> None:
+    """NaN or infinite features fail their row (they would poison the model), naming the
+    first such column."""
+    bad = ~np.isfinite(feat)
+    hit = np.flatnonzero(bad.any(1))
+    if hit.size == 0:
+        return
+    col = bad[hit].argmax(1)
+    reason = {}
+    for h, c in zip(hit.tolist(), col.tolist(), strict=True):
+        value = float(feat[h, c])
+        kind = "NaN feature" if np.isnan(value) else "non-finite feature"
+        reason[h] = f"{kind}: {value} in column '{names[c]}'"
+    mask = np.zeros(len(checks.bad), dtype=bool)
+    mask[hit] = True
+    checks.fail(mask, lambda i: [reason[int(p)] for p in i])
 
 
 def _to_float32(
