@@ -112,6 +112,9 @@ def _as(hint, value, name: str):
             return value
     elif origin in (list, tuple) or hint in (list, tuple):
         return _sequence(origin or hint, args, value, name)
+    elif hint is dict or origin is dict:
+        if isinstance(value, dict):
+            return value
     elif isinstance(hint, type) and dataclasses.is_dataclass(hint):
         if isinstance(value, hint):
             return value
@@ -155,14 +158,19 @@ def _is_union(hint) -> bool:
     return typing.get_origin(hint) in (typing.Union, types.UnionType)
 
 
-_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+_WORDS = {
+    bool: "true or false",
+    int: "an integer",
+    float: "a number",
+    str: "a string",
+    dict: "a mapping",
+}
 
 
 def _want(hint) -> str:
     if _is_union(hint):
-        options = [a for a in typing.get_args(hint) if a is not type(None)]
-        words = " or ".join(_want(a) for a in options)
-        return f"{words} or null" if type(None) in typing.get_args(hint) else words
+        words = [_want(a) if a is not type(None) else "null" for a in typing.get_args(hint)]
+        return " or ".join(words) if len(words) < 3 else f"{', '.join(words[:-1])} or {words[-1]}"
     if hint in _WORDS:
         return _WORDS[hint]
     origin, args = typing.get_origin(hint), typing.get_args(hint)

@@ -9,9 +9,11 @@ the fields (`model`, `data`, `sampler`, `train`, `continual`); unknown keys are 
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 
 from tidegraph.comm.config import CommConfig
+from tidegraph.config_check import check_fields, read_yaml, unknown_keys
 from tidegraph.models.config import ModelConfig
 from tidegraph.storage.cache import POLICIES
 from tidegraph.storage.features import PRECISIONS
@@ -46,6 +48,7 @@ class DataConfig:
     feature_cache_policy: str = "lru"
 
     def __post_init__(self) -> None:
+        check_fields(self, "data")
         if self.max_events is not None and self.max_events < 10:
             raise ValueError(f"data.max_events must be >= 10 or None, got {self.max_events}")
         if self.format not in FORMATS:
@@ -79,14 +82,13 @@ class SamplerConfig:
     dedup: bool = True
 
     def __post_init__(self) -> None:
+        check_fields(self, "sampler")
         if self.strategy not in ("recent", "uniform"):
             raise ValueError(
                 f"sampler.strategy must be 'recent' or 'uniform', got {self.strategy!r}"
             )
-        if self.fanouts is not None:
-            if any(int(k) != k or k < 1 for k in self.fanouts):
-                raise ValueError(f"sampler.fanouts must be positive integers, got {self.fanouts}")
-            self.fanouts = [int(k) for k in self.fanouts]
+        if self.fanouts is not None and any(k < 1 for k in self.fanouts):
+            raise ValueError(f"sampler.fanouts must be positive integers, got {self.fanouts}")
         if self.num_snapshots is not None and self.num_snapshots < 1:
             raise ValueError(f"sampler.num_snapshots must be >= 1, got {self.num_snapshots}")
         if self.snapshot_window <= 0:
@@ -103,6 +105,7 @@ class TrainConfig:
     eval_max_roots: int = 8192  # evaluation batches are cut so one forward has at most this
 
     def __post_init__(self) -> None:
+        check_fields(self, "train")
         for name in ("batch_size", "epochs", "train_negatives", "eval_negatives"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
@@ -127,6 +130,7 @@ class ContinualConfig:
     forget_sample: int = 1000  # old events evaluated after each step (forgetting)
 
     def __post_init__(self) -> None:
+        check_fields(self, "continual")
         if not 0 < self.train_fraction < 1:
             raise ValueError(
                 f"continual.train_fraction must be in (0, 1), got {self.train_fraction}"
@@ -205,6 +209,7 @@ class ClusterConfig:
     faults: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        check_fields(self, "cluster")
         if self.backend not in BACKENDS:
             raise ValueError(f"cluster.backend must be one of {BACKENDS}, got {self.backend!r}")
         for i, fault in enumerate(self.faults):
@@ -216,13 +221,13 @@ class ClusterConfig:
                     f"{FAULT_POINTS}, incarnation: int (optional, default 0: the rank's "
                     f"first trainer)}}, got {fault!r}"
                 )
-        if int(self.max_recoveries) != self.max_recoveries or self.max_recoveries < 0:
+        if self.max_recoveries < 0:
             raise ValueError(
                 f"cluster.max_recoveries must be an integer >= 0, got {self.max_recoveries}"
             )
         for name in ("trainers", "shards"):
             value = getattr(self, name)
-            if int(value) != value or value < 1:
+            if value < 1:
                 raise ValueError(f"cluster.{name} must be an integer >= 1, got {value}")
         if self.partitioner not in ("hash", "ldg"):
             raise ValueError(
@@ -242,6 +247,8 @@ class ClusterConfig:
             if not getattr(self, name) > 0:
                 raise ValueError(f"cluster.{name} must be > 0, got {getattr(self, name)}")
 
+
+_DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
 _SECTIONS = {
     "model": ModelConfig,
@@ -279,6 +286,7 @@ class RunConfig:
     deterministic: bool = True  # deterministic kernels (see tidegraph.runtime.set_determinism)
 
     def __post_init__(self) -> None:
+        check_fields(self, "")
         if self.mode not in ("continual", "offline"):
             raise ValueError(f"mode must be 'continual' or 'offline', got {self.mode!r}")
         a, b = self.offline_split
@@ -288,8 +296,15 @@ class RunConfig:
             raise ValueError(f"checkpoint_every must be >= 1, got {self.checkpoint_every}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1 or None, got {self.threads}")
+        if not _DEVICE.fullmatch(self.device):
+            raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if self.graph_device is None:
             self.graph_device = self.device
+        if not _DEVICE.fullmatch(self.graph_device) and self.graph_device != "pinned":
+            raise ValueError(
+                f"graph_device must be 'cpu', 'cuda', 'cuda:N' or 'pinned' (host memory read "
+                f"from CUDA), got {self.graph_device!r}"
+            )
         layers = self.model.num_layers
         if self.sampler.fanouts is None:
             self.sampler.fanouts = [10] * layers
@@ -307,27 +322,33 @@ class RunConfig:
             )
 
     @staticmethod
-    def from_dict(raw: dict) -> RunConfig:
-        raw = dict(raw or {})
-        kwargs = {}
-        for name, cls in _SECTIONS.items():
-            section = raw.pop(name, None) or {}
-            kwargs[name] = _build(cls, section, name)
-        top = {f.name for f in dataclasses.fields(RunConfig)} - set(_SECTIONS)
-        unknown = sorted(set(raw) - top)
-        if unknown:
-            raise ValueError(f"RunConfig: unknown top-level keys {unknown}")
-        if "offline_split" in raw:
-            raw["offline_split"] = tuple(raw["offline_split"])
+    def from_dict(raw: dict | None) -> RunConfig:
+        """From a YAML mapping of sections (and top-level fields); a key that is no field, a
+        section that is no mapping or a value of the wrong type raises naming it."""
+        if raw is None:
+            raw = {}
+        if not isinstance(raw, dict):
+            raise ValueError(
+                f"a run config maps section names ({', '.join(_SECTIONS)}) to their fields; "
+                f"got a {type(raw).__name__}"
+            )
+        raw = dict(raw)
+        unknown_keys(raw, {f.name for f in dataclasses.fields(RunConfig)}, "top level")
+        kwargs = {name: _build(cls, raw.pop(name, None), name) for name, cls in _SECTIONS.items()}
         return RunConfig(**kwargs, **raw)
+
+    @staticmethod
+    def from_yaml(path: str) -> RunConfig:
+        return RunConfig.from_dict(read_yaml(path))
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
 
-def _build(cls, section: dict, name: str):
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(section) - known)
-    if unknown:
-        raise ValueError(f"{name}: unknown keys {unknown}; known: {sorted(known)}")
+def _build(cls, section: dict | None, name: str):
+    if section is None:
+        return cls()
+    if not isinstance(section, dict):
+        raise ValueError(f"{name} must be a mapping of its fields, got {section!r}")
+    unknown_keys(section, {f.name for f in dataclasses.fields(cls)}, name)
     return cls(**section)
