@@ -26,6 +26,7 @@ import yaml
 
 from tidegraph.runtime import set_determinism, tune_host_allocator
 from tidegraph.training.config import RunConfig
+from tidegraph.training.data import stream_for
 from tidegraph.training.offline import run_offline
 
 __all__ = ["main", "parse_config"]
@@ -37,9 +38,25 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m tidegraph.jobs.train", description=__doc__)
     p.add_argument("--config", help="YAML file mapped onto RunConfig")
     p.add_argument("--model", help="tgn, tgat, dysat, sage, jodie or apan")
-    p.add_argument("--dataset", help="wikipedia, collegemsg or a file path")
+    p.add_argument("--dataset", help="wikipedia, uci (alias collegemsg) or a file path")
     p.add_argument("--format", help="of a file: auto (default), jodie, tgl, snap, csv, parquet")
     p.add_argument("--quarantine", help="write a file's rejected rows here instead of failing")
+    p.add_argument(
+        "--columns",
+        help="of a file: which columns hold the event, as role=column pairs (0-based positions "
+        "or header names), e.g. src=0,dst=1,time=3 or src=u,dst=i,time=ts,label=y",
+    )
+    p.add_argument(
+        "--features",
+        help="of a file: its edge-feature columns, e.g. 4-175 (positions, inclusive ranges) or "
+        "rating,weight (header names) or one Parquet list column",
+    )
+    p.add_argument(
+        "--header",
+        action=argparse.BooleanOptionalAction,
+        help="of a file: whether line 1 names the columns (default: the format's; "
+        "--no-header reads a headerless --format csv file by position)",
+    )
     p.add_argument("--max-events", type=int, help="use only the first N events")
     p.add_argument("--increments", type=int, help="number of equal-count increments")
     p.add_argument("--replay", help="uniform or importance")
@@ -111,6 +128,9 @@ def _config(args: argparse.Namespace) -> RunConfig:
         "dataset": ("data", "dataset"),
         "format": ("data", "format"),
         "quarantine": ("data", "quarantine"),
+        "columns": ("data", "columns"),
+        "features": ("data", "features"),
+        "header": ("data", "header"),
         "max_events": ("data", "max_events"),
         "increments": ("continual", "num_increments"),
         "replay": ("continual", "replay"),
@@ -163,6 +183,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"run {config.run_name}: {run_dir.path}", flush=True)
     set_determinism(config.seed, 0, config.deterministic, config.threads)
     log.info("config: %s", json.dumps(config.to_dict()))
+    stream = None
+    if not args.follow:  # read before any work starts: a data error ends the job at once
+        try:
+            stream = stream_for(config.data)
+        except ValueError as err:  # LoaderError: file, line or row, reason
+            print(f"error: {err}", file=sys.stderr)
+            return 2
     started = False
     if config.cluster.backend == "ray":
         from tidegraph.orchestrator.cluster import connect
@@ -171,13 +198,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if config.mode == "offline":
             try:
-                result = run_offline(config)
+                result = run_offline(config, stream)
             except ValueError as err:
                 print(f"error: {err}", file=sys.stderr)
                 return 2
             print(json.dumps({"test": result["test"], "epoch_s": result["epoch_s"]}, indent=2))
             return 0
-        return _run(config, run_dir, resume, args.metrics_port, args)
+        return _run(config, run_dir, resume, args.metrics_port, args, stream)
     finally:
         if started:
             import ray
@@ -233,7 +260,9 @@ def _diff(a: dict, b: dict, skip: tuple[str, ...], prefix: str = "") -> list[str
     return out
 
 
-def _run(config: RunConfig, run_dir, resume: bool, metrics_port: int = -1, args=None) -> int:
+def _run(
+    config: RunConfig, run_dir, resume: bool, metrics_port: int = -1, args=None, stream=None
+) -> int:
     from tidegraph.orchestrator import Orchestrator, RunState
 
     source = None
@@ -256,7 +285,7 @@ def _run(config: RunConfig, run_dir, resume: bool, metrics_port: int = -1, args=
         print(f"metrics: http://127.0.0.1:{metrics.port}/metrics", flush=True)
     try:
         orchestrator = Orchestrator(
-            config, on_record=_print_record, run_dir=run_dir, resume=resume,
+            config, stream, on_record=_print_record, run_dir=run_dir, resume=resume,
             metrics=metrics, source=source,
             follow_timeout=args.follow_timeout if args is not None else 60.0,
         )  # fmt: skip

@@ -190,7 +190,11 @@ def _seconds(array: pa.Array) -> pa.Array:
         days = pc.cast(pc.cast(array, pa.date32()), pa.int32())
         return pc.multiply(pc.cast(days, pa.float64()), 86_400.0)
     ticks = array.view(pa.int64())  # UTC ticks, whatever the time zone shown
-    return pc.divide(pc.cast(ticks, pa.float64()), float(_SECONDS[type_.unit]))
+    per = _SECONDS[type_.unit]
+    whole = pc.divide(ticks, per)  # integer division: nanoseconds exceed a float's 2**53
+    rest = pc.subtract(ticks, pc.multiply(whole, per))
+    as_float = lambda x: pc.cast(x, pa.float64())  # noqa: E731 -- both are below 2**53
+    return pc.add(as_float(whole), pc.divide(as_float(rest), float(per)))
 
 
 class TglSource:

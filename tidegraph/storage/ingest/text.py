@@ -210,7 +210,8 @@ class CsvSource:
 
     def _unreadable(self, exc: OSError) -> LoaderError:
         read = self.rows_seen
-        reason = f"cannot read the file past its first {read} data rows: {exc}"
+        where = f" past its first {read} data rows" if read else ""
+        reason = f"cannot read the file{where}: {exc}"
         return LoaderError(self.path, None, reason)
 
     def _failure(self, threads: bool, typed: bool):
@@ -442,7 +443,7 @@ def text_source(
         empty=peek.complete and len(peek.lines) <= int(header),
     )
     where = "columns" if header else "columns at positions"
-    shown = features if header else [n[1:] for n in features]  # f4 -> 4
+    shown = features if header else [int(n[1:]) for n in features]  # f4 -> 4
     source.feature_source = f"{where} {shown} of {path}" if features else ""
     source.unused = unused if header else [int(n[1:]) for n in unused]
     return source
