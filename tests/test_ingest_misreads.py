@@ -221,3 +221,10 @@ def test_one_registry_of_bundled_datasets() -> None:
     assert load_stream("collegemsg", 100).events.src.tolist() == uci.events.src.tolist()
     with pytest.raises(ValueError, match=r"neither a bundled dataset \['uci', 'wikipedia'\]"):
         load_stream("reddit")
+
+
+def test_parquet_dictionary_columns_are_read_by_their_values(tmp_path: Path) -> None:
+    ids = pa.array(["7", "8", "7"]).dictionary_encode()  # as pandas writes categoricals
+    t = table([1.0, 2.0, 3.0]).set_column(0, "src", ids)
+    pq.write_table(t, tmp_path / "c.parquet")
+    assert load_events(tmp_path / "c.parquet").src.tolist() == [7, 8, 7]

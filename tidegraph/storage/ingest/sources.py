@@ -111,7 +111,7 @@ class ParquetSource:
     def _check_types(self) -> None:
         """Refuse by schema the column types no row of which could be read right."""
         for role, name in self.roles.items():
-            type_ = self.schema.field(name).type
+            type_ = _plain(self.schema.field(name).type)
             ok = _numeric(type_) or (role == "time" and _temporal(type_))
             ok = ok or (role in ("src", "dst") and _text(type_))
             ok = ok or (role == "label" and pa.types.is_boolean(type_))
@@ -130,7 +130,7 @@ class ParquetSource:
                     type_,
                 )
         for name in self.features:
-            type_ = self.schema.field(name).type
+            type_ = _plain(self.schema.field(name).type)
             value = type_.value_type if is_list(type_) and len(self.features) == 1 else type_
             if not (_numeric(value) or pa.types.is_null(value)):  # null: empty or all-null
                 reason = f"feature column {name!r} has type {type_}; it must hold numbers"
@@ -162,13 +162,22 @@ class ParquetSource:
         for batch in file.iter_batches(batch_size=self.chunk_rows, columns=wanted):
             lines = np.arange(start + 1, start + 1 + batch.num_rows, dtype=np.int64)
             start += batch.num_rows
-            columns = {r: batch.column(c) for r, c in self.roles.items()}
+            columns = {r: _decoded(batch.column(c)) for r, c in self.roles.items()}
             if _temporal(columns["time"].type):
                 columns["time"] = _seconds(columns["time"])
-            columns.update({c: batch.column(c) for c in self.features})
+            columns.update({c: _decoded(batch.column(c)) for c in self.features})
             chunk = RawChunk(columns, dict(self.roles), lines, list(self.features))
             chunk.feature_width = self.feature_width
             yield chunk
+
+
+def _plain(type_: pa.DataType) -> pa.DataType:
+    """The type of the values (a dictionary-encoded column, as pandas categoricals write)."""
+    return type_.value_type if pa.types.is_dictionary(type_) else type_
+
+
+def _decoded(array: pa.Array) -> pa.Array:
+    return array.dictionary_decode() if pa.types.is_dictionary(array.type) else array
 
 
 def _numeric(type_: pa.DataType) -> bool:
