@@ -7,7 +7,7 @@ import pytest
 from tidegraph.comm.config import CommConfig
 from tidegraph.config_check import read_yaml
 from tidegraph.models.config import ModelConfig
-from tidegraph.training.config import RunConfig, TrainConfig
+from tidegraph.training.config import RunConfig, TrainConfig, read_config
 
 BAD = [
     # (raw config, words the message must hold)
@@ -100,6 +100,8 @@ YAML = [
     ("model: [unclosed\n", ["invalid YAML", "line 2"]),
     ("model:\n  name: tgn\n   dim: 3\n", ["invalid YAML", "line 3"]),
     ("a: 1\n\tb: 2\n", ["invalid YAML", "line 2"]),
+    ("train: true\n", ["train must be a mapping", "True"]),
+    ("model: tgn\n", ["model must be a mapping", "'tgn'"]),
 ]
 
 
@@ -109,7 +111,7 @@ def test_bad_yaml_files_are_one_line_naming_the_file(tmp_path, text, words):
     if text is not None:
         path.write_text(text)
     with pytest.raises(ValueError) as info:
-        read_yaml(str(path))
+        read_config(str(path))
     message = str(info.value)
     assert "\n" not in message and str(path) in message
     for word in words:

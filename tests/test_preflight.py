@@ -29,7 +29,7 @@ CASES = [
     pytest.param(
         {"device": "cuda"},
         {},
-        ["--device", "cuda", "CUDA is not available"],
+        ["--device", "cuda", "needs CUDA"],
         marks=no_cuda,
         id="device cuda",
     ),  # fmt: skip
@@ -50,10 +50,12 @@ CASES = [
     pytest.param(
         {},
         {"out": lambda p: str(_blocker(p) / "run")},
-        ["--out", "is a file"],
+        ["--out: cannot write to", "is a file"],
         id="out under a file",
     ),  # fmt: skip
-    pytest.param({"storage": None}, {}, ["storage", "is a file"], id="storage under a file"),
+    pytest.param(
+        {"storage": None}, {}, ["storage: cannot write to", "is a file"], id="storage under a file"
+    ),
     pytest.param(
         {},
         {"quarantine": lambda p: str(p)},
@@ -111,11 +113,11 @@ def test_an_unwritable_directory_is_found_by_writing(tmp_path, monkeypatch):
 
     monkeypatch.setattr(tempfile, "TemporaryFile", refuse)
     config = _config(tmp_path)
-    with pytest.raises(ValueError, match=r"--out .*cannot write in .*Permission denied"):
+    with pytest.raises(ValueError, match=r"--out: cannot write to .*Permission denied"):
         preflight(config, out=str(tmp_path / "run"))
-    with pytest.raises(ValueError, match=r"^storage .*Permission denied"):
+    with pytest.raises(ValueError, match=r"^storage: cannot write to .*Permission denied"):
         preflight(config)
-    with pytest.raises(ValueError, match=r"--quarantine .*Permission denied"):
+    with pytest.raises(ValueError, match=r"--quarantine: cannot write to .*Permission denied"):
         preflight(_config(tmp_path, storage="s3://bucket/runs"), quarantine=str(tmp_path / "q"))
 
 

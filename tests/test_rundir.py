@@ -167,7 +167,7 @@ def test_resuming_with_changed_fields_that_matter_is_refused_naming_them(fields,
 
 
 def test_explicit_fields_flatten_a_raw_config():
-    from tidegraph.orchestrator.rundir import explicit_fields
+    from tidegraph.config_check import explicit_fields
 
     raw = {"model": {"name": "tgn"}, "cluster": {}, "seed": 1, "offline_split": [0.6, 0.2]}
     assert explicit_fields(raw) == {"model.name", "seed", "offline_split"}
@@ -193,3 +193,27 @@ def test_a_checkpoint_of_another_configuration_is_refused_naming_the_fields(tmp_
     # an older checkpoint (no configuration in it) still loads
     run.save_checkpoint({"learner": {"old": True}}, "increment-00001")
     assert again.load_checkpoint(other)["learner"] == {"old": True}
+
+
+@pytest.mark.parametrize(
+    "saved, loaded, words",
+    [
+        ({"name": "tgn"}, {"name": "tgn", "memory_dim": 50}, ["'memory'", "memory_dim"]),
+        ({"name": "tgn"}, {"name": "apan"}, ["tables", "model.name"]),
+    ],
+)
+def test_shard_node_state_of_another_model_is_refused_naming_the_table(saved, loaded, words):
+    from tidegraph.models.config import ModelConfig, build_model
+    from tidegraph.training.state import ShardNodeState
+
+    def shard(fields):
+        return ShardNodeState(build_model(ModelConfig(**fields), 0))
+
+    a = shard(saved)
+    a.add_nodes(torch.tensor([3, 5]))
+    state = a.state_dict()
+    shard(saved).load_state_dict(state)  # the same model loads it
+    with pytest.raises(ValueError) as info:
+        shard(loaded).load_state_dict(state)
+    for word in words:
+        assert word in str(info.value)

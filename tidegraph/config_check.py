@@ -6,7 +6,8 @@ every field against its annotation (`int`, `float`, `str`, `bool`, `X | None`, `
 field, so the range checks after it see values of the right type. A bool is not an int here
 (YAML's `true` is not a batch size). A float field takes an int, and a string that reads as a
 number, since YAML 1.1 (PyYAML) reads `1e-3` as a string; it is converted to a float.
-`unknown_keys` names keys that are no field, with the close match when there is one.
+`unknown_keys` names keys that are no field, with the close match when there is one;
+`explicit_fields` lists the fields a raw mapping sets (what a YAML file and flags asked for).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import yaml
 
-__all__ = ["check_fields", "read_yaml", "unknown_keys"]
+__all__ = ["check_fields", "explicit_fields", "read_yaml", "unknown_keys"]
 
 _HINTS: dict[type, dict] = {}
 
@@ -50,6 +51,18 @@ def unknown_keys(given, known, where: str) -> None:
             hints.append(f"{key!r}: did you mean {' or '.join(repr(k) for k in close)}?")
     hint = "; ".join(hints) if hints else f"known: {', '.join(sorted(known))}"
     raise ValueError(f"{where}: unknown keys {sorted(bad)}; {hint}")
+
+
+def explicit_fields(raw: dict) -> set[str]:
+    """The dotted fields a raw config mapping sets (`{"model": {"dim": 8}, "seed": 1}` ->
+    {"model.dim", "seed"}): what a YAML file and flags asked for."""
+    out = set()
+    for key, value in (raw or {}).items():
+        if isinstance(value, dict):
+            out |= {f"{key}.{k}" for k in value}
+        else:
+            out.add(str(key))
+    return out
 
 
 def read_yaml(path: str, flag: str = "--config") -> dict:

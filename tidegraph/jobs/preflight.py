@@ -41,7 +41,7 @@ def preflight(config, out: str | None = None, quarantine: str | None = None,
 
     `out`, `quarantine` and `follow` are the flags' values (None: not given); the config's own
     `storage`, `data.quarantine` and `data.dataset` are checked too."""
-    _check_device("--device / device", config.device, config.cluster.backend)
+    _check_device("--device/device", config.device, config.cluster.backend)
     if config.graph_device != config.device:
         _check_device("graph_device", config.graph_device, config.cluster.backend)
     if out is not None:
@@ -91,13 +91,13 @@ def _check_device(flag: str, device: str, backend: str) -> None:
         return  # the trainers run on the cluster's nodes, not here
     if not torch.cuda.is_available():
         raise ValueError(
-            f"{flag} {device}: CUDA is not available on this machine "
-            f"(torch {torch.__version__}); use --device cpu"
+            f"{flag}: {device!r} needs CUDA, which this machine lacks "
+            f"(torch {torch.__version__}); use cpu"
         )
     index = int(device.split(":")[1]) if ":" in device else 0
     if index >= torch.cuda.device_count():
         raise ValueError(
-            f"{flag} {device}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+            f"{flag}: {device!r}, but this machine has {torch.cuda.device_count()} CUDA device(s)"
         )
 
 
@@ -114,25 +114,25 @@ def _probe(flag: str, target: Path, directory: Path) -> None:
             pass
     except OSError as e:
         reason = e.strerror or str(e)
-        raise ValueError(f"{flag} {target}: cannot write in {directory}: {reason}") from None
+        raise ValueError(f"{flag}: cannot write to {target}: {directory}: {reason}") from None
 
 
 def _check_dir_writable(flag: str, path: Path) -> None:
     base = _existing_parent(path)
     if not base.is_dir():
-        raise ValueError(f"{flag} {path}: {base} is a file, not a directory")
+        raise ValueError(f"{flag}: cannot write to {path}: {base} is a file, not a directory")
     _probe(flag, path, base)
 
 
 def _check_file_writable(flag: str, path: str) -> None:
     p = Path(path)
     if p.is_dir():
-        raise ValueError(f"{flag} {path}: is a directory; give a file to write rejected rows to")
+        raise ValueError(f"{flag}: {path} is a directory; give a file to write rejected rows to")
     if p.exists() and not os.access(p, os.W_OK):
-        raise ValueError(f"{flag} {path}: the file is not writable")
+        raise ValueError(f"{flag}: cannot write to {path}: the file is read-only")
     base = _existing_parent(p.parent)
     if not base.is_dir():
-        raise ValueError(f"{flag} {path}: {base} is a file, not a directory")
+        raise ValueError(f"{flag}: cannot write to {path}: {base} is a file, not a directory")
     _probe(flag, p, base)
 
 
@@ -144,7 +144,7 @@ def _check_readable(flag: str, path: Path) -> None:
             with path.open("rb") as f:
                 f.read(1)
     except OSError as e:
-        raise ValueError(f"{flag} {path}: cannot read it: {e.strerror or e}") from None
+        raise ValueError(f"{flag}: cannot read {path}: {e.strerror or e}") from None
 
 
 def _check_dataset(dataset: str) -> None:
@@ -156,11 +156,11 @@ def _check_dataset(dataset: str) -> None:
     except KeyError:
         pass
     except FileNotFoundError as e:
-        raise ValueError(f"--dataset / data.dataset {dataset}: {e}") from None
+        raise ValueError(f"--dataset/data.dataset: {e}") from None
     path = Path(dataset)
     if not path.exists():
         raise ValueError(
-            f"--dataset / data.dataset {dataset}: no such file, and not a bundled dataset "
+            f"--dataset/data.dataset: {dataset}: no such file, and not a bundled dataset "
             f"({', '.join(bundled_names())})"
         )
-    _check_readable("--dataset / data.dataset", path)
+    _check_readable("--dataset/data.dataset", path)

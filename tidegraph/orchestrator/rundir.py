@@ -26,7 +26,7 @@ import yaml
 
 from tidegraph.storage.eventlog import EventLog, open_fs
 
-__all__ = ["NEUTRAL", "RunDir", "check_resume_config", "config_diff", "explicit_fields"]
+__all__ = ["NEUTRAL", "RunDir", "check_resume_config", "config_diff"]
 
 log = logging.getLogger(__name__)
 
@@ -134,18 +134,6 @@ def _neutral(field: str) -> bool:
     return any(field == n or field.startswith(n + ".") for n in NEUTRAL)
 
 
-def explicit_fields(raw: dict) -> set[str]:
-    """The dotted fields a raw config mapping sets (`{"model": {"dim": 8}, "seed": 1}` ->
-    {"model.dim", "seed"}): what a YAML file and flags asked for."""
-    out = set()
-    for key, value in (raw or {}).items():
-        if isinstance(value, dict):
-            out |= {f"{key}.{k}" for k in value}
-        else:
-            out.add(str(key))
-    return out
-
-
 def config_diff(a: dict, b: dict, prefix: str = "") -> list[str]:
     """Dotted fields whose values differ between two config mappings (tuples equal lists)."""
     out = []
@@ -160,8 +148,9 @@ def config_diff(a: dict, b: dict, prefix: str = "") -> list[str]:
 
 def check_resume_config(stored: dict, given: dict, explicit) -> None:
     """Resuming a run whose configuration is `stored` with `given`, in which the dotted fields
-    `explicit` were asked for (by the YAML or flags): refused, naming them, when an explicit
-    field that matters differs; the run keeps its stored values of the others (logged)."""
+    `explicit` were asked for (by the YAML or flags: `config_check.explicit_fields`): refused,
+    naming them, when an explicit field that matters differs; the run keeps its stored values
+    of the others (logged)."""
     changed = config_diff(stored, given)
     asked = [f for f in changed if _asked(f, explicit)]
     refused = [f for f in asked if not _neutral(f)]

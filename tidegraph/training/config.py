@@ -26,6 +26,7 @@ __all__ = [
     "RunConfig",
     "SamplerConfig",
     "TrainConfig",
+    "read_config",
 ]
 
 
@@ -339,10 +340,21 @@ class RunConfig:
 
     @staticmethod
     def from_yaml(path: str) -> RunConfig:
-        return RunConfig.from_dict(read_yaml(path))
+        return RunConfig.from_dict(read_config(path))
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def read_config(path: str, flag: str = "--config") -> dict:
+    """The raw mapping of a YAML config file, its sections checked to be mappings (so flags can
+    be merged into them); one-line errors name the file, and the section."""
+    raw = read_yaml(path, flag)
+    for name in _SECTIONS:
+        if raw.get(name) is not None and not isinstance(raw[name], dict):
+            raise ValueError(f"{flag} {path}: {name} must be a mapping of its fields, "
+                             f"got {raw[name]!r}")  # fmt: skip
+    return raw
 
 
 def _build(cls, section: dict | None, name: str):

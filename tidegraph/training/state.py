@@ -128,9 +128,27 @@ class ShardNodeState:
         return {"index": self.index.state_dict(), "tables": tables}
 
     def load_state_dict(self, state: dict) -> None:
+        _check_tables(state["tables"], self.model.state_tables())
         self.index.load_state_dict(state["index"])
         tables = {k: v.clone() for k, v in state["tables"].items()}
         self.model.load_compact_state(self.index, tables)
+
+
+def _check_tables(saved: dict, own: dict) -> None:
+    """Saved node-state tables must be this model's (same names, same row shapes): state of
+    another model configuration is refused, naming the table, before anything is replaced."""
+    if set(saved) != set(own):
+        raise ValueError(
+            f"node state: the checkpoint holds tables {sorted(saved)}, this model "
+            f"{sorted(own)} (model.name differs from the checkpoint's run)"
+        )
+    for name, table in saved.items():
+        if tuple(table.shape[1:]) != tuple(own[name].shape[1:]):
+            raise ValueError(
+                f"node state {name!r}: rows of shape {tuple(table.shape[1:])} in the checkpoint, "
+                f"{tuple(own[name].shape[1:])} in this model (model.dim or memory_dim differs "
+                "from the checkpoint's run)"
+            )
 
 
 class ShardedStateSource:
