@@ -228,3 +228,12 @@ def test_parquet_dictionary_columns_are_read_by_their_values(tmp_path: Path) -> 
     t = table([1.0, 2.0, 3.0]).set_column(0, "src", ids)
     pq.write_table(t, tmp_path / "c.parquet")
     assert load_events(tmp_path / "c.parquet").src.tolist() == [7, 8, 7]
+
+
+def test_stream_options_for_bundled_data_and_twice_named_features(tmp_path: Path, caplog) -> None:
+    with caplog.at_level(logging.WARNING, logger="tidegraph.training.data"):
+        load_stream("uci", 50, format="csv")
+    assert "format apply to files only: uci is read with its known layout" in caplog.text
+    path = write(tmp_path / "e.csv", "src,dst,time,w\n0,1,1,0.5\n")
+    with pytest.raises(ValueError, match=r"data\.features \(--features\): the feature columns"):
+        load_stream(str(path), columns="src=0,dst=1,time=2,features=3", features="3")

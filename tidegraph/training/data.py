@@ -52,6 +52,12 @@ def load_stream(
     if is_bundled(dataset):
         path = bundled_path(dataset)
         log.info("bundled dataset %s: %s", dataset, path)
+        given = {"format": format != "auto", "quarantine": quarantine, "columns": columns,
+                 "header": header is not None, "features": features}  # fmt: skip
+        ignored = [k for k, v in given.items() if v]
+        if ignored:
+            log.warning("%s apply to files only: %s is read with its known layout",
+                        ", ".join(ignored), dataset)  # fmt: skip
         events = load_events(path, sort="full")
         num_nodes = _num_nodes(events)  # of the whole file, as always for bundled data
     else:
@@ -61,6 +67,9 @@ def load_stream(
             "features": parse_features(features, "data.features"),
             "header": header,
         }
+        if options["features"] is not None and getattr(options["columns"], "features", None):
+            raise ValueError("data.features (--features): the feature columns are named in "
+                             "data.columns (--columns) too; name them once")  # fmt: skip
         events = load_events(path, format, sort="full", quarantine=quarantine, **options)
     if max_events is not None:
         events = events.select(slice(0, max_events))
