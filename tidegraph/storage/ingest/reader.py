@@ -2,8 +2,12 @@
 
 Formats: JODIE CSV (`user_id,item_id,timestamp,state_label,f1..fk`), TGL directories
 (`edges.csv` + optional `edge_features.pt` / `node_features.pt`), SNAP-style edge lists
-(`src dst t`, no header), any CSV through a `ColumnMap`, and Parquet. `format="auto"` picks one
-from the path (see `sources.detect_format`).
+(`src dst t`, no header; more than three columns without a header or a `ColumnMap` are an
+error, since any of them could be the time), any CSV through a `ColumnMap`, and Parquet.
+`format="auto"` picks one from the path (see `sources.detect_format`). Edge features are the
+JODIE feature fields, TGL's `edge_features.pt`, or the columns `ColumnMap.features` /
+`LoaderConfig.features` name (CSV columns, Parquet columns or one Parquet list column); the
+log says how many were read and from where, or which columns were left unread.
 
     reader = open_events("wiki.csv.gz", sort=True, quarantine="bad_rows.csv")
     for batch in reader:          # EventBatch, time order, eid = 0, 1, 2, ... over the stream
@@ -15,10 +19,14 @@ Assumptions and rules:
   `sort="full"`, which holds all events in memory to sort them.
 - Batches come out in time order, ties in file order. `eid` numbers the yielded events 0..N-1.
 - Bad rows (non-numeric or NaN time, negative, non-integer or out-of-range ids -- beyond
-  `num_nodes` or int64 --, wrong field count or feature width, missing values, time out of order)
-  raise `LoaderError` naming file, line and reason (the first bad row in file order); with
-  `quarantine=PATH` they are written to that CSV (columns `line,reason,text`) instead, counted in
-  `stats`, and a warning is logged. Valid rows are never dropped.
+  `num_nodes` or int64 --, wrong field count or feature width, NaN or infinite features,
+  invalid UTF-8, missing values, time out of order) raise `LoaderError` naming file, line and
+  reason (the first bad row in file order); with `quarantine=PATH` they are written to that CSV
+  (columns `line,reason,text`) instead, counted in `stats`, and a warning is logged. Valid rows
+  are never dropped.
+- A file that cannot be read on (truncated or corrupt compression, a corrupt Parquet file or
+  feature tensor) or a Parquet column of a type no row of which could be read (a boolean or
+  nested time column) raises `LoaderError` naming the file, quarantine or not.
 - Line numbers: see `text` (1-based, header included, blank lines not counted).
   Parquet files report 1-based row positions instead.
 """

@@ -2,8 +2,9 @@
 
 Internal to `tidegraph.storage.ingest`. Files are read with pyarrow's streaming CSV reader
 (`pyarrow.csv.open_csv`, `.gz`/`.bz2` decompressed on the fly), one block (<= 4 MiB) at a time,
-never whole. Id, time and label columns are read as text and parsed by `parse`, so a bad
-value rejects one row instead of failing a block. Feature columns are read as float64 by pyarrow
+never whole. Id, time and label columns are read as bytes, checked as UTF-8 per chunk (a row
+with invalid UTF-8 is one reject) and parsed as text by `parse`, so a bad value rejects one row
+instead of failing a block. Feature columns are read as float64 by pyarrow
 itself (wide files spend most of their time there), which fails a whole block on one bad value;
 the file is then read again as text from the first row not yet handed out, and the text path
 names the bad row. pyarrow parses text to float64 exactly as the text path does (same values,
@@ -54,7 +55,9 @@ from tidegraph.storage.ingest.parse import IdRules, RawChunk, Rejects, int64_tex
 _PEEK_BYTES = 1 << 16
 _COMMENTS = ("#", "%")
 _WHITESPACE = (" ", "\t")
-_HEADERLESS_HINT = "pass header=False to read a file without a header (columns by position)"
+_HEADERLESS_HINT = (
+    "pass header=False (--no-header) to read a file without a header (columns by position)"
+)
 _LINE = "line"  # the one column of a SNAP file read whole lines at a time
 _ALIASES = {
     "src": ("src", "source", "u", "user", "user_id", "from", "sender", "node1"),
@@ -500,7 +503,7 @@ def jodie_source(path: Path, cfg: LoaderConfig) -> tuple[CsvSource, IdRules]:
     delimiter = cfg.delimiter or ","
     header = cfg.header is not False  # JODIE files have a header line; header=False reads none
     if cfg.header is None:
-        hint = "pass header=False to read a JODIE file without a header"
+        hint = "pass header=False (--no-header) to read a JODIE file without a header"
         _require_header(peek, delimiter, path, hint)
     data_line = peek.comments + 1 + int(header)
     first = peek.first(int(header))
