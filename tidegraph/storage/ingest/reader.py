@@ -100,7 +100,7 @@ class EventReader:
         if src.feature_count:
             logger.info("edge features: %d columns from %s", src.feature_count, src.feature_source)
             return
-        unused = getattr(src, "unused", [])
+        unused = getattr(src, "unused", ())
         if unused:
             logger.info(
                 "no edge features read from %s; its columns %s are not read (name them with "

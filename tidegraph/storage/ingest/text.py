@@ -4,11 +4,11 @@ Internal to `tidegraph.storage.ingest`. Files are read with pyarrow's streaming 
 (`pyarrow.csv.open_csv`, `.gz`/`.bz2` decompressed on the fly), one block (<= 4 MiB) at a time,
 never whole. Id, time and label columns are read as bytes, checked as UTF-8 per chunk (a row
 with invalid UTF-8 is one reject) and parsed as text by `parse`, so a bad value rejects one row
-instead of failing a block. Feature columns are read as float64 by pyarrow
-itself (wide files spend most of their time there), which fails a whole block on one bad value;
-the file is then read again as text from the first row not yet handed out, and the text path
-names the bad row. pyarrow parses text to float64 exactly as the text path does (same values,
-same strings refused; tests compare the two), so the result does not depend on the path taken.
+instead of failing a block. Feature columns are read as float64 by pyarrow itself (wide files
+spend most of their time there), which fails a whole block on one bad value; the file is then
+read again as text from the first row not yet handed out, and the text path names the bad row.
+pyarrow parses text to float64 exactly as the text path does (same values, same strings
+refused; tests compare the two), so the result does not depend on the path taken.
 Blocks are parsed on several threads; pyarrow only reports the line of a malformed row (wrong
 field count) when it reads serially, so a file with such a row is read again serially from the
 first row not yet handed out. The threaded reader gets no Python row handler (a malformed row
@@ -128,7 +128,7 @@ class CsvSource:
     unit = "line"
     read_typed = True  # feature columns as float64 first; tests set False for the text path
     feature_source = ""  # where the feature columns are, for the log
-    unused: list = []  # columns read by no role (names, or positions without a header)
+    unused: list | tuple = ()  # columns read by no role (names, or positions without a header)
 
     @property
     def feature_count(self) -> int:
