@@ -32,6 +32,7 @@ def run(cfg, stream, during=None, join_s: float = 60.0) -> dict:
             "steps": learner.cursor.step,
             "trainer_steps": group._all("__getattribute__", "steps"),
             "recoveries": list(group.recoveries),
+            "resizes": list(getattr(group, "resizes", [])),
             "placement": group.placement(),
             "shard_events": group.report(stream.events.src, stream.events.dst),
         }

@@ -1,9 +1,14 @@
-"""The coordinator actor: hosts the trainers' rendezvous store (never a trainer's process) and
-the progress of the pass under way.
+"""The coordinator actor: hosts the trainers' rendezvous store (never a trainer's process),
+the progress of the pass under way, and the run's membership requests.
 
 While trainers run a whole pass in one task, the driver only waits; trainer 0 reports the
 steps it finished here (at most every half second, without waiting for an answer) and the
-driver reads them to move its progress bar.
+driver reads them to move its progress bar. The answer to a report says whether the driver
+asked the group to stop early (to resize at the next step boundary): trainer 0 reads it
+without waiting and carries its vote to the group with the next step's update exchange.
+
+Operators reach a run through this actor too (it is named, in the run's namespace):
+`tidegraph.jobs.resize` leaves a wanted trainer count here, which the driver takes.
 """
 
 from __future__ import annotations
@@ -19,13 +24,40 @@ class _Coordinator(StoreHost):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.steps = 0
+        self.stop = False
+        self.wanted: tuple[int, str] | None = None  # (trainers, who asked)
+        self.status: dict = {}
 
-    def report(self, steps: int) -> None:
-        """Steps of the pass under way finished so far (0 starts a pass)."""
+    def report(self, steps: int) -> bool:
+        """Steps of the pass under way finished so far (0 starts a pass); whether the group
+        is asked to stop after a step."""
         self.steps = steps
+        return self.stop
 
     def progress(self) -> int:
         return self.steps
+
+    def request_stop(self, stop: bool = True) -> None:
+        self.stop = stop
+
+    def want_trainers(self, count: int, who: str = "operator") -> dict:
+        """An operator's wanted trainer count (taken by the driver at the next step
+        boundary); returns the run's membership as last published."""
+        if int(count) != count or count < 1:
+            raise ValueError(f"trainers must be an integer >= 1, got {count}")
+        self.wanted = (int(count), who)
+        return self.status
+
+    def take_wanted(self) -> tuple[int, str] | None:
+        wanted, self.wanted = self.wanted, None
+        return wanted
+
+    def publish(self, status: dict) -> None:
+        """The run's membership (trainers, bounds, last resize), for operators."""
+        self.status = status
+
+    def membership(self) -> dict:
+        return self.status
 
 
 CoordinatorActor = ray.remote(num_cpus=0)(_Coordinator)

@@ -53,7 +53,16 @@ class _Trainer:
         )  # fmt: skip
         self.collective = None
         self.coordinator = None
+        self._asked = None  # rank 0's last report: whether the driver asks the group to stop
         self.pass_results: list = []
+
+    def set_rank(self, rank: int, world: int, incarnation: int | None = None) -> None:
+        """Become rank `rank` of `world` (a resize renumbers the members, a spare takes a
+        lost trainer's rank as its `incarnation`-th replacement; `connect` next)."""
+        self.rank, self.world = rank, world
+        self.core.rank = rank
+        if incarnation is not None:
+            self.incarnation = incarnation
 
     def connect(
         self, address: tuple[str, int], generation: int, coordinator=None, every_s: float = 0.5
@@ -68,12 +77,33 @@ class _Trainer:
         return self.rank
 
     def _progress(self, steps: int, last: float) -> float:
-        """Report `steps` finished to the coordinator if the last report is old enough."""
-        now = time.monotonic()
-        if self.coordinator is None or now - last < self.report_s:
+        """Report `steps` finished to the coordinator if the last report is old enough, and
+        take up the driver's request to stop (the answer to a report, read without waiting)
+        as this member's vote for the next step."""
+        if self.coordinator is None:
             return last
-        self.coordinator.report.remote(steps)
+        if self._asked is not None and ray.wait([self._asked], timeout=0)[0]:
+            self.core.vote, self._asked = int(ray.get(self._asked)), None
+        now = time.monotonic()
+        if now - last < self.report_s:
+            return last
+        self._asked = self.coordinator.report.remote(steps)
         return now
+
+    def _begin_pass(self, before: tuple) -> float:
+        if before:
+            self.core.apply_updates(list(before))
+        self.pass_results, self._asked = [], None
+        self.core.vote = self.core.group_vote = 0
+        return time.monotonic()
+
+    def _stopping(self, group_vote: int) -> bool:
+        """Whether the group agreed to stop after this step (every member saw the same
+        votes in the step's exchange); a stopped pass returns the steps done so far."""
+        if not group_vote:
+            return False
+        self.core.vote = self.core.group_vote = 0
+        return True
 
     def _view(self, part: int) -> SegmentView:
         return SegmentView(self.config.sampler.strategy,
@@ -118,10 +148,9 @@ class _Trainer:
         optimizer step, then the node-state updates of all slices, gathered from the group
         in rank (= slice) order with the slices' losses. Rank 0 returns the batches'
         losses; every rank keeps them in `pass_results` (a survivor reports them when the
-        group lost a member midway, see `recovery_report`)."""
-        if before:
-            self.core.apply_updates(list(before))
-        self.pass_results, reported = [], time.monotonic()
+        group lost a member midway, see `recovery_report`). When the group votes to stop
+        (the driver resizes it), the pass ends after that step with the losses so far."""
+        reported = self._begin_pass(before)
         gather = self.world > 1
         with self._leaving_on_error():
             for ev, weight, neg, num_observe, global_size in slices:
@@ -133,26 +162,29 @@ class _Trainer:
                 self._fault("after_step", self.core.steps - 1)
                 self.pass_results.append(loss)
                 reported = self._progress(len(self.pass_results), reported)
+                if self._stopping(self.core.group_vote if gather else self.core.vote):
+                    break
         return self.pass_results if self.rank == 0 else None
 
     def eval_pass(self, slices: list, observe: bool, *before) -> list | None:
         """Every batch of an evaluation pass: the (pos, neg) scores of every slice, gathered
         with the slices' node-state updates (applied after each batch with `observe`). Rank
-        0 returns the batches' scores; every rank keeps them in `pass_results`."""
-        if before:
-            self.core.apply_updates(list(before))
-        self.pass_results, reported = [], time.monotonic()
+        0 returns the batches' scores; every rank keeps them in `pass_results`; it stops
+        early like `train_pass`."""
+        reported = self._begin_pass(before)
         with self._leaving_on_error():
             for ev, neg in slices:
                 if len(ev):
                     pos, negl, updates = self.core.eval_slice(ev, neg, observe)
                 else:
                     pos, negl, updates = None, None, None
-                parts = self._gather((pos, negl, updates))
+                parts = self._gather((pos, negl, updates, self.core.vote))
                 if observe:
-                    self.core.apply_updates([u for _, _, u in parts])
+                    self.core.apply_updates([u for _, _, u, _ in parts])
                 self.pass_results.append(_scores(parts))
                 reported = self._progress(len(self.pass_results), reported)
+                if self._stopping(max(v for *_, v in parts)):
+                    break
         return self.pass_results if self.rank == 0 else None
 
     @contextlib.contextmanager
@@ -261,7 +293,7 @@ TrainerActor = ray.remote(_Trainer)
 
 def _scores(parts: list) -> tuple:
     """One batch's (pos, neg) scores from the slices' (pos, neg, updates), in slice order."""
-    kept = [(p, n) for p, n, _ in parts if p is not None]
+    kept = [(p, n) for p, n, *_ in parts if p is not None]
     return torch.cat([p for p, _ in kept]).cpu(), torch.cat([n for _, n in kept]).cpu()
 
 

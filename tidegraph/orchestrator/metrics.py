@@ -9,7 +9,9 @@ Names (all prefixed `tidegraph_`):
   flat gradient per step);
 - `feature_cache_hit_rate`: trainer 0's edge-feature cache;
 - `increment_ap`, `increment_mrr`: metrics of the latest increment; `increments_total`;
-- `trainers_alive`, `shards_alive`: actors the GCS reports alive at the last update.
+- `trainers_alive`, `shards_alive`: actors the GCS reports alive at the last update;
+- `trainers`: the trainer group's size; `resizes_total{direction}` (grow, shrink) and
+  `recoveries_total`: membership changes so far (each is a line of metrics.jsonl too).
 Each run has its own registry, so several runs in one process do not collide.
 """
 
@@ -45,6 +47,12 @@ class RunMetrics:
         self.increments = Counter("tidegraph_increments", "increments done", registry=r)
         self.trainers = Gauge("tidegraph_trainers_alive", "trainer actors alive", registry=r)
         self.shards = Gauge("tidegraph_shards_alive", "graph shard actors alive", registry=r)
+        self.size = Gauge("tidegraph_trainers", "trainers in the group", registry=r)
+        self.resizes = Counter("tidegraph_resizes", "trainer group resizes", ["direction"],
+                               registry=r)  # fmt: skip
+        self.recoveries = Counter("tidegraph_recoveries", "recoveries from lost members",
+                                  registry=r)  # fmt: skip
+        self._resizes = self._recoveries = 0
         self._ingested = self._steps = 0
         self.server, _ = start_http_server(port, addr=host, registry=r)
         self.port = self.server.server_port
@@ -56,6 +64,14 @@ class RunMetrics:
         trainers, shards = group.alive()
         self.trainers.set(trainers)
         self.shards.set(shards)
+        self.size.set(group.num_trainers)
+        resizes = getattr(group, "resizes", [])
+        for event in resizes[self._resizes :]:
+            self.resizes.labels("grow" if event["to"] > event["from"] else "shrink").inc()
+        self._resizes = len(resizes)
+        recoveries = getattr(group, "recoveries", [])
+        self.recoveries.inc(len(recoveries) - self._recoveries)
+        self._recoveries = len(recoveries)
         self.ingested.inc(learner.ingested - self._ingested)
         self._ingested = learner.ingested
         w = max(len(seconds), 1)

@@ -19,6 +19,7 @@ shards (ingest), and waits for sharded node-state updates before the next step s
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import re
 import time
@@ -30,6 +31,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from tidegraph.actors import CoordinatorActor, GraphShardActor, TrainerActor
+from tidegraph.elastic.policy import ResizeDecision, plan_resize
 from tidegraph.recovery.policy import NoReplicaLeft, plan_trainer_recovery
 from tidegraph.rng import load_generator_state, seed_for, stream
 from tidegraph.storage.events import EventBatch
@@ -96,6 +98,41 @@ def _actor_state(actor) -> str:
     return state.actors(actor_id=actor._actor_id.hex())["State"]
 
 
+def _trainer_bounds(c) -> tuple[int, int]:
+    """(min, max) trainers of a run: `cluster.trainers` as an int fixes both."""
+    lo = getattr(c, "min_trainers", None) or c.trainers
+    hi = getattr(c, "max_trainers", None) or c.trainers
+    return lo, hi
+
+
+def _spares(c) -> int:
+    return getattr(c, "spare_trainers", 0)
+
+
+def _poll_s(c) -> float:
+    return getattr(c, "elastic_poll_s", 1.0)
+
+
+def _draining_nodes() -> dict[str, int]:
+    """{node id: deadline in ms since the epoch, 0 for none} of the nodes Ray is draining
+    (`ray drain-node`, an autoscaler's preemption notice)."""
+    from ray._private import state
+
+    return state.state.get_draining_nodes()
+
+
+def _slot_table(pg) -> dict:
+    """The GCS's record of a placement group (its state, the node of each bundle)."""
+    from ray.util import placement_group_table
+
+    return placement_group_table(pg)
+
+
+def _slot_node(pg) -> str | None:
+    """The node a one-bundle placement group is on (None while pending)."""
+    return _slot_table(pg).get("bundles_to_node_id", {}).get(0)
+
+
 class PendingLoss:
     """The loss of a submitted step; `value()` waits for it."""
 
@@ -154,11 +191,15 @@ class RayGroup:
         self._pending: list = []  # node-state updates of the last step, not yet sent
         cuda = config.device.startswith("cuda")
         self.shard_pg = placement_group([{"CPU": c.shard_cpus}] * c.shards, strategy="SPREAD")
-        trainer_bundle = {"CPU": c.trainer_cpus, **({"GPU": 1} if cuda else {})}
-        self.trainer_pg = placement_group([trainer_bundle] * c.trainers, strategy="PACK")
-        self._wait_placed(trainer_bundle)
+        self.trainer_bundle = {"CPU": c.trainer_cpus, **({"GPU": 1} if cuda else {})}
+        # a placement group per trainer (a slot), up to the most trainers the run may have:
+        # Ray claims a new node's resources for the pending ones as they appear
+        self.min_trainers, self.max_trainers = _trainer_bounds(c)
+        self.target = self.max_trainers
+        self.slots = [self._slot() for _ in range(self.max_trainers)]
+        placed = self._wait_placed(self.trainer_bundle)
         try:
-            self._start(config, num_nodes, edge_dim, cuda, trainer_bundle)
+            self._start(config, num_nodes, edge_dim, cuda, placed)
         except ray.exceptions.RayError as exc:  # an actor failed in its constructor
             self.shutdown()
             cause = _value_error(exc)
@@ -169,7 +210,7 @@ class RayGroup:
             self.shutdown()
             raise
 
-    def _start(self, config, num_nodes: int, edge_dim: int, cuda: bool, trainer_bundle) -> None:
+    def _start(self, config, num_nodes: int, edge_dim: int, cuda: bool, placed: list) -> None:
         c = config.cluster
         raw = config.to_dict()
         opts = dict(namespace=self.namespace, lifetime=None)
@@ -178,14 +219,30 @@ class RayGroup:
         self.shards = [self._new_shard(p) for p in range(c.shards)]
         self._trainer_args = (raw, edge_dim, cuda)
         self.num_nodes = num_nodes
-        self.incarnations = [0] * c.trainers  # replacements of each rank so far
-        self.trainers = [self._new_trainer(w) for w in range(c.trainers)]
+        # trainer w is member `members[w]` (its actor's name) in placement group
+        # `member_slots[members[w]]`; ranks are renumbered on a resize, members are not
+        self.num_trainers = self.start_trainers = len(placed)
+        self.members = list(range(self.num_trainers))
+        self.member_slots = dict(enumerate(placed))
+        self.spares = [pg for pg in self.slots if all(pg is not q for q in placed)]
+        # a trainer started in a spare slot Ray placed, while the group trains: {id(slot):
+        # (member, actor, its first answer)}; it joins at a step boundary once it is up
+        self.joiners: dict[int, tuple] = {}
+        self.next_member = self.num_trainers
+        self.incarnations = [0] * self.num_trainers  # replacements of each rank so far
+        self.trainers = [self._new_trainer(w) for w in range(self.num_trainers)]
         self.generation = -1
+        self.resizes: list[dict] = []  # one record per resize
+        self._stop_asked = False  # the trainers were asked to stop after a step (a resize)
+        self._next_check = 0.0  # monotonic time of the next look at the membership
         self._connect()
         ray.get([s.ping.remote() for s in self.shards])
+        self._top_up()  # spare trainers (`cluster.spare_trainers`) start in the background
+        self._publish()
         log.info(
-            "ray group up: %d shards, %d trainers in namespace %r, node state %s",
-            c.shards, c.trainers, self.namespace, self.memory_placement,
+            "ray group up: %d shards, %d trainers (%d..%d) in namespace %r, node state %s",
+            c.shards, self.num_trainers, self.min_trainers, self.max_trainers, self.namespace,
+            self.memory_placement,
         )  # fmt: skip
 
     def _new_shard(self, p: int):
@@ -205,25 +262,32 @@ class RayGroup:
             state_model=self._state_model(edge_dim) if self.sharded else None,
         )  # fmt: skip
 
-    def _new_trainer(self, w: int, placed: bool = True, num_nodes: int | None = None):
-        """Trainer actor of rank `w`, in its bundle of the trainers' placement group (or, not
-        `placed`, wherever the cluster has a slot), with tables for `num_nodes` nodes
-        (default: as many as ingested)."""
+    def _slot(self):
+        """A placement group for one trainer (pending until Ray finds room for it)."""
+        return placement_group([self.trainer_bundle], strategy="PACK")
+
+    def _new_trainer(
+        self, w: int, num_nodes: int | None = None, member: int | None = None, world=None
+    ):
+        """Trainer actor of rank `w` of `world` (default: the group's size), in its member's
+        placement group (`member`: a new one, whose group is in `member_slots`), with tables
+        for `num_nodes` nodes (default: as many as ingested)."""
         c = self.config.cluster
         raw, edge_dim, cuda = self._trainer_args
-        where = {}
-        if placed:
-            where["scheduling_strategy"] = PlacementGroupSchedulingStrategy(self.trainer_pg, w)
+        member = self.members[w] if member is None else member
+        where = PlacementGroupSchedulingStrategy(self.member_slots[member], 0)
+        incarnation = self.incarnations[w] if w < len(self.incarnations) else 0
         deadline = time.monotonic() + self.name_wait_s
         while True:
             try:
                 return TrainerActor.options(
-                    name=f"tidegraph-trainer-{w}", num_cpus=c.trainer_cpus,
-                    num_gpus=1 if cuda else 0, namespace=self.namespace, lifetime=None, **where,
+                    name=f"tidegraph-trainer-{member}", num_cpus=c.trainer_cpus,
+                    num_gpus=1 if cuda else 0, namespace=self.namespace, lifetime=None,
+                    scheduling_strategy=where,
                 ).remote(
-                    self._runtime(w), raw, w, c.trainers, self.shards,
-                    self.num_nodes if num_nodes is None else num_nodes,
-                    edge_dim, self.sharded, self.incarnations[w],
+                    self._runtime(w), raw, w, self.num_trainers if world is None else world,
+                    self.shards, self.num_nodes if num_nodes is None else num_nodes,
+                    edge_dim, self.sharded, incarnation,
                 )  # fmt: skip
             except ray.exceptions.ActorAlreadyExistsError:
                 # a lost trainer's name is released once the GCS marks it dead: bounded wait
@@ -251,27 +315,37 @@ class RayGroup:
             snaps = self.config.sampler.num_snapshots
             return build_model(self.config.model, 0, edge_dim, num_snapshots=snaps)
 
-    def _wait_placed(self, trainer_bundle: dict) -> None:
-        """Bounded wait for both placement groups; the error names what is missing."""
+    def _wait_placed(self, trainer_bundle: dict) -> list:
+        """Bounded wait for the shards' placement group and at least `min_trainers` trainer
+        slots (then briefly for the rest); the slots placed, in order. The log and the error
+        name what is missing."""
         c = self.config.cluster
         deadline = time.monotonic() + self.placement_wait_s
-        pending = [self.shard_pg.ready(), self.trainer_pg.ready()]
-        while pending and time.monotonic() < deadline:
-            _, pending = ray.wait(pending, num_returns=len(pending), timeout=5.0)
-            if pending:
-                log.info(
-                    "waiting for resources: %d trainers x %s and %d shards x {CPU: %s}; "
-                    "the cluster has %s available",
-                    c.trainers, trainer_bundle, c.shards, c.shard_cpus,
-                    ray.available_resources(),
-                )  # fmt: skip
-        if pending:
-            self.shutdown()
-            raise PlacementTimeout(
-                f"could not place {c.trainers} trainers x {trainer_bundle} and {c.shards} "
-                f"shards x {{'CPU': {c.shard_cpus}}} within {self.placement_wait_s:.0f} s; "
-                f"available: {ray.available_resources()}"
-            )
+        shards = self.shard_pg.ready()
+        ready = {ref: pg for pg in self.slots for ref in [pg.ready()]}
+        placed: list = []
+        pending = [shards, *ready]
+        first = True
+        while time.monotonic() < deadline:
+            timeout = 0.5 if shards not in pending and len(placed) >= self.min_trainers else 5
+            timeout, first = (1.0 if first else timeout), False  # say soon what is missing
+            done, pending = ray.wait(pending, num_returns=len(pending), timeout=timeout)
+            placed += [ready[ref] for ref in done if ref in ready]
+            if shards not in pending and len(placed) >= self.min_trainers:
+                return [pg for pg in self.slots if any(pg is q for q in placed)]
+            log.info(
+                "waiting for resources: %d of %d..%d trainers x %s placed, shards x "
+                "{CPU: %s} %s; the cluster has %s available",
+                len(placed), self.min_trainers, self.max_trainers, trainer_bundle,
+                c.shard_cpus, "placed" if shards not in pending else "not placed",
+                ray.available_resources(),
+            )  # fmt: skip
+        self.shutdown()
+        raise PlacementTimeout(
+            f"could not place {self.min_trainers} trainers x {trainer_bundle} and {c.shards} "
+            f"shards x {{'CPU': {c.shard_cpus}}} within {self.placement_wait_s:.0f} s "
+            f"({len(placed)} trainers placed); available: {ray.available_resources()}"
+        )
 
     # ---- ingest -----------------------------------------------------------------------------
 
@@ -317,6 +391,7 @@ class RayGroup:
     def train_step(
         self, ev: EventBatch, weight: torch.Tensor | None, neg_BQ: torch.Tensor, num_observe: int
     ) -> float:
+        self._resize_if_due()
         losses, updates = [], []
         before = self._take_pending()
         bounds = self.balancer.bounds(ev, neg_BQ, self.num_trainers)
@@ -346,47 +421,225 @@ class RayGroup:
         called with the steps finished while the pass runs. A trainer lost midway is
         replaced from a survivor and the pass goes on from the survivors' last whole step
         (`recover`)."""
-        per_trainer = [[] for _ in self.trainers]
-        for ev, weight, neg, num_observe in batches:
-            bounds = self.balancer.bounds(ev, neg, self.num_trainers)
-            slices = train_slices(ev, weight, neg, num_observe, self.num_trainers, bounds)
-            for w, args in enumerate(slices):
-                per_trainer[w].append(_own(args))
-        return self._pass("train_pass", per_trainer, (), progress)
+
+        def cut(batches: list) -> list:  # each trainer's slices of these batches
+            per_trainer = [[] for _ in self.trainers]
+            for ev, weight, neg, num_observe in batches:
+                bounds = self.balancer.bounds(ev, neg, self.num_trainers)
+                slices = train_slices(ev, weight, neg, num_observe, self.num_trainers, bounds)
+                for w, args in enumerate(slices):
+                    per_trainer[w].append(_own(args))
+            return per_trainer
+
+        return self._pass("train_pass", batches, cut, (), progress)
 
     def eval_pass(self, batches: list, observe: bool, progress=None) -> list:
         """Scores of every batch of an evaluation pass, one task per trainer."""
-        per_trainer = [[] for _ in self.trainers]
-        for ev, neg in batches:
-            for w, (lo, hi) in enumerate(self.balancer.bounds(ev, neg, self.num_trainers)):
-                per_trainer[w].append(_own((ev.select(slice(lo, hi)), neg[lo:hi])))
-        return self._pass("eval_pass", per_trainer, (observe,), progress)
 
-    def _pass(self, method: str, per_trainer: list, args: tuple, progress) -> list:
-        """Run a pass (`method` of every trainer, its slices of every step); rank 0's
-        results, recovering from lost trainers as often as it takes."""
+        def cut(batches: list) -> list:
+            per_trainer = [[] for _ in self.trainers]
+            for ev, neg in batches:
+                for w, (lo, hi) in enumerate(self.balancer.bounds(ev, neg, self.num_trainers)):
+                    per_trainer[w].append(_own((ev.select(slice(lo, hi)), neg[lo:hi])))
+            return per_trainer
+
+        return self._pass("eval_pass", batches, cut, (observe,), progress)
+
+    def _pass(self, method: str, batches: list, cut, args: tuple, progress) -> list:
+        """Run a pass (`method` of every trainer, with its slices of every batch, as
+        `cut(batches)` gives them); rank 0's results, recovering from lost trainers as often
+        as it takes, and resizing the group when asked to (the trainers stop after a step,
+        and the rest of the pass is cut anew for the new group)."""
         self.drain()
+        if not batches:
+            return []
+        self._resize_if_due(force=True, at=f"before a {method} of {len(batches)} steps")
         before = self._take_pending()
         results: list = []
         stalled = 0  # recoveries in a row after which the pass got no further
-        while True:
+        while len(results) < len(batches):
             done = len(results)
-            ray.get(self.coordinator.report.remote(0))
-            refs = [getattr(t, method).remote(s[done:], *args, *before)
+            ray.get([self.coordinator.report.remote(0),
+                     self.coordinator.request_stop.remote(False)])  # fmt: skip
+            self._stop_asked = False
+            per_trainer = cut(batches[done:])
+            refs = [getattr(t, method).remote(s, *args, *before)
                     for t, s in zip(self.trainers, per_trainer, strict=True)]  # fmt: skip
             before = []  # applied by every survivor; a replacement copies one
             shifted = None if progress is None else (lambda n, d=done: progress(d + n))
             try:
-                return results + self._wait_pass(refs, shifted)[0]
+                results += self._wait_pass(refs, shifted)[0]
             except ray.exceptions.RayError as exc:
                 results += self.recover(exc)
                 stalled = stalled + 1 if len(results) == done else 0
                 if stalled >= 3:
                     raise RuntimeError(
                         f"trainers keep failing at step {done} of a {method} of "
-                        f"{len(per_trainer[0])} steps ({stalled} recoveries without progress); "
+                        f"{len(batches)} steps ({stalled} recoveries without progress); "
                         f"last lost: {self.recoveries[-1]['lost']}"
                     ) from exc
+                continue
+            if len(results) < len(batches):  # stopped early: resize, then go on
+                self._resize_if_due(True, f"{method} step {len(results)} of {len(batches)}")
+        return results
+
+    # ---- elasticity ---------------------------------------------------------------------------
+
+    def _plan(self, force: bool = False) -> ResizeDecision | None:
+        """What the group should change now (`elastic.policy`), looked at every
+        `cluster.elastic_poll_s` (or now, `force`): an operator's wanted count, trainers on
+        draining nodes, spare slots Ray placed."""
+        now = time.monotonic()
+        if not force and now < self._next_check:
+            return None
+        self._next_check = now + _poll_s(self.config.cluster)
+        wanted = ray.get(self.coordinator.take_wanted.remote())
+        if wanted is not None and wanted[0] != self.target:
+            log.info("%s wants %d trainers (now %d)", wanted[1], wanted[0], self.num_trainers)
+            self.target = wanted[0]
+            self._top_up()
+        draining = _draining_nodes()
+        ranks = {w: n for w, n in enumerate(self._member_nodes()) if n in draining}
+        return plan_resize(self.num_trainers, self.target, len(self._joiners_up(draining)),
+                           ranks)  # fmt: skip
+
+    def _resize_if_due(self, force: bool = False, at: str = "between steps") -> None:
+        """Resize now if the group should (at a step boundary, `at`: nothing is under
+        way)."""
+        decision = self._plan(force or self._stop_asked)
+        self._stop_asked = False
+        if decision is None:
+            return
+        try:
+            self._resize(decision, at)
+        except ray.exceptions.RayError as exc:  # a member lost meanwhile: recover instead
+            self.recover(exc)
+
+    def resize(self, trainers: int, who: str = "operator") -> None:
+        """Set the wanted trainer count (within [min, max] trainers) and resize at once."""
+        if not self.min_trainers <= trainers <= self.max_trainers:
+            raise ValueError(
+                f"trainers must be within cluster min/max [{self.min_trainers}, "
+                f"{self.max_trainers}], got {trainers}"
+            )
+        ray.get(self.coordinator.want_trainers.remote(trainers, who))
+        self.drain()
+        self._resize_if_due(force=True)
+
+    def _resize(self, d: ResizeDecision, at: str = "between steps") -> None:
+        """Apply `d` at a step boundary: new members copy a replica (no checkpoint), members
+        that leave are stopped and their slots given back, the rest are renumbered, and the
+        group is rebuilt on a new generation. Slices follow the new size from the next step
+        (the global batch is kept, so results do not depend on the size)."""
+        t0 = time.perf_counter()
+        self.drain()
+        self._flush()  # node-state updates reach the current members before a copy is taken
+        old, leave = self.num_trainers, set(d.leave)
+        slots = self._joiners_up(_draining_nodes())[: d.join]
+        if len(leave) == old and not slots:  # a joiner failed meanwhile: one stays
+            leave.discard(min(leave))
+        stay = [w for w in range(old) if w not in leave]
+        world = len(stay) + len(slots)
+        source = self.trainers[stay[0] if stay else min(leave)]
+        new = [self.joiners[id(slot)][:2] for slot in slots]
+        if new:  # they started while the group trained: now they copy a replica
+            state = source.replica_state.remote()
+            num_nodes = ray.get(source.nodes.remote())  # its tables' size, then its state
+            ray.get([actor.call.remote("grow", num_nodes) for _, actor in new])
+            ray.get([actor.load_replica.remote(state, []) for _, actor in new])
+        for slot in slots:
+            self.spares.remove(slot)
+            del self.joiners[id(slot)]
+        nodes = self._member_nodes()
+        left = [{"rank": w, "member": self.members[w], "node": nodes[w]} for w in sorted(leave)]
+        for w in sorted(leave):
+            ray.kill(self.trainers[w])
+            remove_placement_group(self.member_slots.pop(self.members[w]))
+        self.trainers = [self.trainers[w] for w in stay] + [a for _, a in new]
+        self.members = [self.members[w] for w in stay] + [m for m, _ in new]
+        self.incarnations = [self.incarnations[w] for w in stay] + [0] * len(new)
+        self.num_trainers = world
+        ray.get([t.set_rank.remote(r, world) for r, t in enumerate(self.trainers)])
+        if new:
+            self._refresh(self.num_nodes, [a for _, a in new], recovering=True)
+        self._connect()
+        self._top_up()
+        event = {
+            "from": old, "to": world,
+            "left": left,
+            "joined": [m for m, _ in new], "reason": d.reason, "at": at,
+            "generation": self.generation, "seconds": time.perf_counter() - t0,
+            "time": time.time(),
+        }  # fmt: skip
+        self.resizes.append(event)
+        self._publish()
+        log.warning("resize at %s: %d -> %d trainers (%s); left %s, joined as members %s; "
+                    "%.2f s", at, old, world, d.reason, event["left"], event["joined"],
+                    event["seconds"])  # fmt: skip
+
+    def _member_nodes(self) -> list:
+        """Node id of each trainer's slot (from the GCS: no call to a busy trainer)."""
+        return [_slot_node(self.member_slots[m]) for m in self.members]
+
+    def _joiners_up(self, draining) -> list:
+        """Spare slots whose trainer is up and may join. Starts a trainer in each spare
+        slot Ray has placed (a process start takes seconds; the group trains meanwhile);
+        drops one that failed or whose node is draining (its slot is replaced)."""
+        up = []
+        for slot in list(self.spares):
+            table = _slot_table(slot)
+            node = table.get("bundles_to_node_id", {}).get(0)
+            joiner = self.joiners.get(id(slot))
+            if node in draining or (joiner is None and table.get("state") != "CREATED"):
+                if node in draining:
+                    self._drop_spare(slot)
+                continue
+            if joiner is None:
+                member, self.next_member = self.next_member, self.next_member + 1
+                self.member_slots[member] = slot
+                actor = self._new_trainer(self.num_trainers, member=member,
+                                          world=self.num_trainers + 1)  # fmt: skip
+                joiner = self.joiners[id(slot)] = (member, actor, actor.pid.remote())
+                log.info("starting trainer (member %d) on node %s to join the group",
+                         member, node)  # fmt: skip
+            if ray.wait([joiner[2]], timeout=0)[0]:
+                try:
+                    ray.get(joiner[2])
+                    up.append(slot)
+                except ray.exceptions.RayError as exc:
+                    log.warning("a trainer starting to join failed (%s); its slot is "
+                                "replaced", exc)  # fmt: skip
+                    self._drop_spare(slot)
+        self._top_up()
+        return up
+
+    def _drop_spare(self, slot) -> None:
+        """Give a spare slot back (and kill the trainer starting in it)."""
+        joiner = self.joiners.pop(id(slot), None)
+        if joiner is not None:
+            ray.kill(joiner[1])
+            self.member_slots.pop(joiner[0], None)
+        self.spares.remove(slot)
+        with contextlib.suppress(Exception):
+            remove_placement_group(slot)
+
+    def _top_up(self) -> None:
+        """Keep one spare slot per trainer the group lacks toward its target (Ray places
+        them as resources appear, and a trainer starts in each); drop spares beyond it."""
+        want = max(0, self.target - self.num_trainers) + _spares(self.config.cluster)
+        while len(self.spares) < want:
+            self.spares.append(self._slot())
+        while len(self.spares) > want:
+            self._drop_spare(self.spares[-1])
+
+    def _publish(self) -> None:
+        """The membership, where operators (`tidegraph.jobs.resize`) read it."""
+        self.coordinator.publish.remote({
+            "trainers": self.num_trainers, "min": self.min_trainers, "max": self.max_trainers,
+            "target": self.target, "spares": len(self.spares), "generation": self.generation,
+            "resizes": len(self.resizes),
+            "last_resize": self.resizes[-1] if self.resizes else None,
+        })  # fmt: skip
 
     # ---- recovery -----------------------------------------------------------------------------
 
@@ -452,7 +705,7 @@ class RayGroup:
         self._stale = set(behind)
         for w in plan.replace:
             self.incarnations[w] += 1
-            self.trainers[w] = self._new_trainer(w, num_nodes=num_nodes)
+            self.trainers[w] = self._replacement(w, num_nodes)
         ray.get([self.trainers[w].load_replica.remote(state, results) for w in behind])
         self._refresh(self.num_nodes, recovering=True)
         self._stale = set()
@@ -470,6 +723,25 @@ class RayGroup:
             event["seconds"],
         )  # fmt: skip
         return reports[source]["results"]
+
+    def _replacement(self, w: int, num_nodes: int):
+        """A trainer for the lost rank `w`: a spare already up (`cluster.spare_trainers`, or
+        one starting to join), which takes the rank without a process start; else a new
+        one in the rank's slot."""
+        up = self._joiners_up(_draining_nodes())
+        if not up:
+            return self._new_trainer(w, num_nodes=num_nodes)
+        slot = up[0]
+        member, actor, _ = self.joiners.pop(id(slot))
+        self.spares.remove(slot)
+        with contextlib.suppress(Exception):  # the lost member's slot (maybe on a dead node)
+            remove_placement_group(self.member_slots.pop(self.members[w]))
+        self.members[w] = member
+        ray.get([actor.set_rank.remote(w, self.num_trainers, self.incarnations[w]),
+                 actor.call.remote("grow", num_nodes)])  # fmt: skip
+        log.info("spare trainer (member %d) replaces rank %d", member, w)
+        self._top_up()
+        return actor
 
     def _probe_shards(self) -> list[int]:
         """Partitions whose shard actor is dead or does not answer within `probe_s`."""
@@ -539,7 +811,8 @@ class RayGroup:
 
     def _wait_pass(self, refs: list, progress) -> list:
         """The trainers' results of a pass; meanwhile `progress` gets the steps trainer 0
-        reported, and a trainer that failed raises at once (not after the others)."""
+        reported, a trainer that failed raises at once (not after the others), and when the
+        group should change size the trainers are asked to stop after a step."""
         checked: set = set()
         while True:
             ready, pending = ray.wait(refs, num_returns=len(refs), timeout=self.progress_s)
@@ -549,10 +822,14 @@ class RayGroup:
                 return ray.get(refs)
             if progress is not None:
                 progress(ray.get(self.coordinator.progress.remote()))
+            if not self._stop_asked and self._plan() is not None:
+                self._stop_asked = True
+                self.coordinator.request_stop.remote(True)
 
     def eval_step(
         self, ev: EventBatch, neg_BQ: torch.Tensor, observe: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        self._resize_if_due()
         outs = []
         before = self._take_pending()
         bounds = self.balancer.bounds(ev, neg_BQ, self.num_trainers)
@@ -724,20 +1001,30 @@ class RayGroup:
         self.ingests = list(state["ingests"])
         ray.get([s.load_state_dict.remote(x) for s, x in zip(self.shards, state["shards"],
                                                              strict=True)])  # fmt: skip
-        ray.get([t.call.remote("load_state_dict", x) for t, x in zip(self.trainers,
-                                                                     state["trainers"],
+        states = state["trainers"]
+        if len(states) != self.num_trainers:  # saved at another size: replicas are equal
+            log.info("state of %d trainers loaded into %d", len(states), self.num_trainers)
+            states = [states[0]] * self.num_trainers
+        ray.get([t.call.remote("load_state_dict", x) for t, x in zip(self.trainers, states,
                                                                      strict=True)])  # fmt: skip
         self._refresh(0)
 
     def shutdown(self) -> None:
         """Kill this group's actors and release its placement groups (idempotent)."""
-        for actor in [*getattr(self, "trainers", []), *getattr(self, "shards", [])]:
+        joining = [j[1] for j in getattr(self, "joiners", {}).values()]
+        for actor in [*getattr(self, "trainers", []), *getattr(self, "shards", []), *joining]:
             ray.kill(actor)
         if getattr(self, "coordinator", None) is not None:
             ray.kill(self.coordinator)
-        for name in ("shard_pg", "trainer_pg"):
-            pg = getattr(self, name, None)
-            if pg is not None:
+        groups = [
+            getattr(self, "shard_pg", None),
+            *getattr(self, "slots", []),
+            *getattr(self, "member_slots", {}).values(),
+            *getattr(self, "spares", []),
+        ]
+        for pg in {id(g): g for g in groups if g is not None}.values():
+            with contextlib.suppress(Exception):  # removed already (a resize gave it back)
                 remove_placement_group(pg)
-                setattr(self, name, None)
+        self.shard_pg, self.slots, self.member_slots, self.spares = None, [], {}, []
+        self.joiners = {}
         self.trainers, self.shards, self.coordinator = [], [], None

@@ -179,7 +179,16 @@ class ClusterConfig:
     """Shards and trainers: P graph shards, W data-parallel trainers (DESIGN.md)."""
 
     backend: str = "local"  # local: every shard and trainer in this process; ray: actors
-    trainers: int = 1
+    # W, or {min: a, max: b} (ray backend): the run starts once `min` trainers are placed
+    # and grows to `max` as Ray places more; operators resize within [min, max]
+    # (`tidegraph.jobs.resize`); trainers on draining nodes leave at a step boundary
+    trainers: int | dict = 1
+    min_trainers: int | None = None  # set from `trainers` (both W when it is an int)
+    max_trainers: int | None = None
+    elastic_poll_s: float = 1.0  # seconds between looks at resize requests, drains, slots
+    # trainers started ahead and kept idle (ray backend): a lost trainer's replacement, or
+    # a joining one, without a process start (seconds); each holds a trainer's resources
+    spare_trainers: int = 0
     shards: int = 1
     partitioner: str = "hash"  # or "ldg" (streaming linear deterministic greedy)
     # node state (TGN memory) on every trainer ("replicated") or owned by shards ("sharded");
@@ -226,6 +235,7 @@ class ClusterConfig:
             raise ValueError(
                 f"cluster.max_recoveries must be an integer >= 0, got {self.max_recoveries}"
             )
+        self._trainer_bounds()
         for name in ("trainers", "shards"):
             value = getattr(self, name)
             if value < 1:
@@ -244,9 +254,31 @@ class ClusterConfig:
             raise ValueError(
                 f"cluster.rebalance_tolerance must be >= 0 or null, got {self.rebalance_tolerance}"
             )
-        for name in ("trainer_cpus", "shard_cpus", "collective_timeout_s"):
+        for name in ("trainer_cpus", "shard_cpus", "collective_timeout_s", "elastic_poll_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"cluster.{name} must be > 0, got {getattr(self, name)}")
+
+    def _trainer_bounds(self) -> None:
+        """`trainers: {min, max}` (or an int W: min = max = W) to `min_trainers`,
+        `max_trainers` and `trainers` = max (the most the run asks Ray for)."""
+        t = self.trainers
+        if isinstance(t, dict):
+            if set(t) != {"min", "max"}:
+                raise ValueError(f"cluster.trainers must be an integer or {{min, max}}, got {t}")
+            self.min_trainers, self.max_trainers = t["min"], t["max"]
+        elif self.min_trainers is None and self.max_trainers is None:
+            self.min_trainers = self.max_trainers = t
+        for name in ("min_trainers", "max_trainers"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"cluster.trainers: {name[:3]} must be an integer >= 1, "
+                                 f"got {value!r}")  # fmt: skip
+        if self.spare_trainers < 0:
+            raise ValueError(f"cluster.spare_trainers must be >= 0, got {self.spare_trainers}")
+        if self.min_trainers > self.max_trainers:
+            raise ValueError(f"cluster.trainers: min {self.min_trainers} > max "
+                             f"{self.max_trainers}")  # fmt: skip
+        self.trainers = self.max_trainers
 
 
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")

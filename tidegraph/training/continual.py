@@ -105,6 +105,7 @@ class ContinualLearner:
         self.cursor = Cursor()
         self.pass_state: dict = {}  # accumulators of the pass under way (checkpointed)
         self.history: list[dict] = []
+        self._membership_seen: dict[str, int] = {}  # resizes, recoveries written so far
 
     # replica 0's pieces (all replicas are identical after every step)
     @property
@@ -532,11 +533,26 @@ class ContinualLearner:
         self.history.append(record)
         if record.get("phase") == "increment":
             log.info("increment %d: %s", record["increment"] + 1, _fmt(record))
+        self._write([*self._membership_records(), record])
+
+    def _membership_records(self) -> list[dict]:
+        """The group's resizes and recoveries since the last record, as metrics.jsonl
+        records of phase "resize" / "recovery" (not in `history`: a run's results do not
+        depend on them)."""
+        out = []
+        for kind in ("resize", "recovery"):
+            events = getattr(self.group, kind + ("s" if kind == "resize" else "ies"), [])
+            seen = self._membership_seen.get(kind, 0)
+            out += [{"phase": kind, **e} for e in events[seen:]]
+            self._membership_seen[kind] = len(events)
+        return out
+
+    def _write(self, records: list[dict]) -> None:
         if self.config.out_dir:
             path = Path(self.config.out_dir) / "metrics.jsonl"
             path.parent.mkdir(parents=True, exist_ok=True)
             with path.open("a") as f:
-                f.write(json.dumps(record) + "\n")
+                f.writelines(json.dumps(r, default=str) + "\n" for r in records)
 
 
 def _value(loss) -> float:

@@ -77,6 +77,9 @@ class TrainerCore:
             )  # fmt: skip
         self.new_optimizer()
         self.steps = 0  # training steps taken in a group (`train_and_step`)
+        # a member's vote, carried with its step's update exchange, and the group's (the
+        # largest): 1 asks every member to stop after this step (a resize, see `elastic`)
+        self.vote = self.group_vote = 0
         t = config.train
         self.train_negatives, self.eval_negatives = t.train_negatives, t.eval_negatives
         self.eval_max_roots = t.eval_max_roots
@@ -196,7 +199,7 @@ class TrainerCore:
         exchange = None
         if gather:
             exchange = lambda loss, u: collective.all_gather_tensors_async(  # noqa: E731
-                (loss, u), self.device
+                (loss, u, self.vote), self.device
             )
         if len(ev):
             result = self.train_slice(ev, weight, neg_BQ, num_observe, global_size, exchange)
@@ -218,6 +221,7 @@ class TrainerCore:
             parts = updates.wait()
             loss = float(sum(part[0] for part in parts))
             updates = [part[1] for part in parts]
+            self.group_vote = max(part[2] for part in parts)
         t2 = time.perf_counter()
         self.optimizer.step()
         self.seconds["allreduce"] += t1 - t0

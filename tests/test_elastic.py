@@ -1,0 +1,96 @@
+"""Elastic trainer groups on Ray: members join and leave at step boundaries, and with the
+default rule (keep the global batch) the run ends where a fixed-size run ends, up to float
+summation order."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+
+from tidegraph.orchestrator.ray_group import RayGroup
+from tidegraph.training import RunConfig, load_stream
+
+sys.path.insert(0, str(Path(__file__).parent))
+import reference_run  # noqa: E402
+from recovery_run import run  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def wiki():
+    return load_stream("wikipedia", EVENTS)
+
+
+EVENTS = 20000
+
+
+def config(trainers, **cluster) -> RunConfig:
+    """A run long enough for a joining trainer's process to start (seconds) meanwhile."""
+    raw = reference_run.reference_config("tgn")
+    raw["model"]["slot_precision"] = "fp32"
+    raw["data"]["max_events"] = EVENTS
+    raw["train"].update(batch_size=100, epochs=3)
+    raw["continual"].update(num_increments=4, retrain_epochs=3)
+    raw["cluster"] = {"backend": "ray", "trainers": trainers, "shards": 2,
+                      "elastic_poll_s": 0.05, **cluster}  # fmt: skip
+    raw["run_name"] = "tidegraph-elastic-test"
+    return RunConfig.from_dict(raw)
+
+
+@pytest.fixture(scope="module")
+def fixed(ray_session, wiki):
+    return run(config(2), wiki)
+
+
+def assert_close_run(got: dict, want: dict) -> None:
+    """The same steps, every shard the same events, parameters and metrics equal up to
+    float summation order (the slices of a step's batch were summed in other groups).
+
+    Attention key biases are left out: in exact arithmetic their gradient is zero (softmax
+    ignores a shift shared by every key), so Adam turns summation-order noise into whole
+    steps, and they differ between any two group sizes, fixed or not (W = 1 vs 2: 5%)."""
+    assert got["steps"] == want["steps"]
+    assert got["shard_events"]["shard_events"] == want["shard_events"]["shard_events"]
+    for key, value in want["model"].items():
+        if key.endswith("key.bias") or not value.numel():
+            continue
+        scale = float(value.abs().max()) if value.is_floating_point() else 0.0
+        torch.testing.assert_close(got["model"][key], value, rtol=0, atol=1e-4 * scale + 1e-7,
+                                   msg=key)  # fmt: skip
+    for a, b in zip(got["history"], want["history"], strict=True):
+        for k in ("ap", "auc", "loss"):
+            if k in a:
+                assert a[k] == pytest.approx(b[k], rel=1e-4), k
+
+
+def wants(*counts, first: float = 0.1, every: float = 0.1):
+    """A `during` that asks the run's coordinator for each trainer count in turn, at
+    fractions `first`, `first + every`, ... of the run's training steps (the driver's count,
+    which moves a pass at a time)."""
+
+    def during(learner) -> None:
+        steps = sum(u.kind == "train" for u in learner.schedule.units)
+        for i, count in enumerate(counts):
+            while learner.cursor.step < steps * (first + i * every):
+                time.sleep(0.005)
+            ray.get(learner.group.coordinator.want_trainers.remote(count, "test"))
+
+    return during
+
+
+@pytest.fixture
+def quick_polls(monkeypatch):
+    """Trainers report (and read stop requests) every 10 ms: resizes land mid-pass."""
+    monkeypatch.setattr(RayGroup, "progress_s", 0.01)
+
+
+def test_an_operator_shrinks_and_grows_the_group_mid_run(ray_session, wiki, fixed, quick_polls):
+    got = run(config({"min": 1, "max": 2}), wiki, wants(1, 2))
+    sizes = [(r["from"], r["to"]) for r in got["resizes"]]
+    assert sizes == [(2, 1), (1, 2)], got["resizes"]
+    assert got["trainer_steps"] == [fixed["steps"]] * 2  # the joined member: every step
+    assert_close_run(got, fixed)

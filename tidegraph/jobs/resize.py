@@ -1,0 +1,70 @@
+"""Resize a running job: `python -m tidegraph.jobs.resize --run-name R --trainers N`.
+
+Joins the Ray cluster the run is on (`RAY_ADDRESS`, `--address`, or the one started on this
+machine), finds the run's coordinator actor in the run's namespace, and leaves the wanted
+trainer count there; the driver takes it at its next look (`cluster.elastic_poll_s`) and
+the trainers stop after their current step to resize (members above the count leave,
+highest ranks first; for more, trainers start in slots Ray places and join once up). N must
+lie within the run's `cluster.trainers: {min, max}`. Without `--trainers` it prints the
+run's membership. Errors (no such run, N out of range) print one line and exit with 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+__all__ = ["main"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m tidegraph.jobs.resize", description=__doc__)
+    p.add_argument("--run-name", required=True, help="the run's name (its Ray namespace)")
+    p.add_argument("--trainers", type=int, help="the wanted number of trainers")
+    p.add_argument("--address", help="the Ray cluster (default: RAY_ADDRESS, else 'auto')")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    import ray
+
+    started = False
+    if not ray.is_initialized():
+        address = args.address or os.environ.get("RAY_ADDRESS") or "auto"
+        try:
+            ray.init(address=address, namespace=args.run_name, configure_logging=False,
+                     log_to_driver=False)  # fmt: skip
+        except (ConnectionError, RuntimeError, ValueError) as err:
+            print(f"error: cannot join the Ray cluster at {address}: {err}", file=sys.stderr)
+            return 2
+        started = True
+    try:
+        try:
+            coordinator = ray.get_actor("tidegraph-coordinator", namespace=args.run_name)
+        except ValueError:
+            print(f"error: no run named {args.run_name!r} is running on this cluster",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+        status = ray.get(coordinator.membership.remote())
+        if args.trainers is not None:
+            lo, hi = status.get("min", 1), status.get("max", args.trainers)
+            if not lo <= args.trainers <= hi:
+                print(f"error: --trainers {args.trainers}: run {args.run_name!r} allows "
+                      f"{lo} to {hi} trainers (cluster.trainers: {{min, max}})",
+                      file=sys.stderr)  # fmt: skip
+                return 2
+            ray.get(coordinator.want_trainers.remote(args.trainers, "operator (jobs.resize)"))
+            print(f"run {args.run_name}: asked for {args.trainers} trainers "
+                  f"(now {status.get('trainers')})")  # fmt: skip
+        print(json.dumps(status, indent=2, default=str))
+        return 0
+    finally:
+        if started:
+            ray.shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
