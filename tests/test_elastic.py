@@ -4,6 +4,8 @@ summation order."""
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -17,7 +19,7 @@ from tidegraph.training import RunConfig, load_stream
 
 sys.path.insert(0, str(Path(__file__).parent))
 import reference_run  # noqa: E402
-from recovery_run import run  # noqa: E402
+from recovery_run import assert_same_run, run  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -94,3 +96,27 @@ def test_an_operator_shrinks_and_grows_the_group_mid_run(ray_session, wiki, fixe
     assert sizes == [(2, 1), (1, 2)], got["resizes"]
     assert got["trainer_steps"] == [fixed["steps"]] * 2  # the joined member: every step
     assert_close_run(got, fixed)
+
+
+def test_a_spare_trainer_takes_a_lost_rank_without_a_process_start(
+    ray_session, wiki, fixed, quick_polls
+):
+    """`cluster.spare_trainers: 1`: a trainer started ahead replaces one SIGKILLed mid-pass;
+    the group keeps its size, so the run ends bitwise where the fault-free run ends."""
+
+    def during(learner) -> None:
+        group = learner.group
+        pid = ray.get(group.trainers[1].pid.remote())
+        for _ in range(6000):  # bounded: until the spare is up and a pass is under way
+            spares = [j[2] for j in list(group.joiners.values())]
+            up = spares and ray.wait(spares, num_returns=len(spares), timeout=0)[0]
+            if up and ray.get(group.coordinator.progress.remote()) >= 3:
+                os.kill(pid, signal.SIGKILL)
+                return
+            time.sleep(0.005)
+
+    got = run(config(2, spare_trainers=1), wiki, during)
+    (event,) = got["recoveries"]
+    assert event["lost"] == [1] and event["spares_used"] == [1]
+    assert got["resizes"] == []
+    assert_same_run(got, fixed)

@@ -238,6 +238,7 @@ class RayGroup:
         self._connect()
         ray.get([s.ping.remote() for s in self.shards])
         self._top_up()  # spare trainers (`cluster.spare_trainers`) start in the background
+        self._joiners_up(_draining_nodes())
         self._publish()
         log.info(
             "ray group up: %d shards, %d trainers (%d..%d) in namespace %r, node state %s",
@@ -703,16 +704,18 @@ class RayGroup:
         # every trainer grew them), load its state, then all grow to what shards hold
         num_nodes = ray.get(self.trainers[source].nodes.remote())
         self._stale = set(behind)
+        spared = []
         for w in plan.replace:
             self.incarnations[w] += 1
-            self.trainers[w] = self._replacement(w, num_nodes)
+            self.trainers[w], spare = self._replacement(w, num_nodes)
+            spared += [w] if spare else []
         ray.get([self.trainers[w].load_replica.remote(state, results) for w in behind])
         self._refresh(self.num_nodes, recovering=True)
         self._stale = set()
         self._connect()
         event = {
             "lost": lost, "lost_shards": lost_shards, "source": source, "steps_done": done,
-            "copied_to": sorted(behind),
+            "copied_to": sorted(behind), "spares_used": spared,
             "generation": self.generation, "seconds": time.perf_counter() - t0,
             "cause": type(cause).__name__,
         }  # fmt: skip
@@ -724,13 +727,13 @@ class RayGroup:
         )  # fmt: skip
         return reports[source]["results"]
 
-    def _replacement(self, w: int, num_nodes: int):
-        """A trainer for the lost rank `w`: a spare already up (`cluster.spare_trainers`, or
-        one starting to join), which takes the rank without a process start; else a new
-        one in the rank's slot."""
+    def _replacement(self, w: int, num_nodes: int) -> tuple:
+        """A trainer for the lost rank `w`, and whether it is a spare: one already up
+        (`cluster.spare_trainers`, or one starting to join) takes the rank without a process
+        start; else a new one starts in the rank's slot."""
         up = self._joiners_up(_draining_nodes())
         if not up:
-            return self._new_trainer(w, num_nodes=num_nodes)
+            return self._new_trainer(w, num_nodes=num_nodes), False
         slot = up[0]
         member, actor, _ = self.joiners.pop(id(slot))
         self.spares.remove(slot)
@@ -741,7 +744,7 @@ class RayGroup:
                  actor.call.remote("grow", num_nodes)])  # fmt: skip
         log.info("spare trainer (member %d) replaces rank %d", member, w)
         self._top_up()
-        return actor
+        return actor, True
 
     def _probe_shards(self) -> list[int]:
         """Partitions whose shard actor is dead or does not answer within `probe_s`."""
