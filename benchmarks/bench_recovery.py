@@ -5,6 +5,9 @@ Scenarios, each a whole continual run compared with a fault-free run of the same
 - `kill`: trainer 1's process SIGKILLed from outside (`os.kill` of its pid) mid training pass;
 - `allreduce`: the fault knob kills trainer 1 inside its all-reduce (`cluster.faults`);
 - `forward`, `after_step`: the knob at the other two points of a step;
+- `kill_spare`, `allreduce_spare`: `kill` (once the spare is up) and the all-reduce knob
+  (at --spare-fault-step) with `cluster.spare_trainers: 1`, a trainer started ahead that
+  takes the lost rank without a process start;
 - `hang`: trainer 1 SIGSTOPped mid-pass, with `cluster.collective_timeout_s` = --hang-timeout
   and `RayGroup.probe_s` = --probe-s (the stopped process is killed by `recover`, or at the
   end by this script, never left stopped);
@@ -52,7 +55,17 @@ from tidegraph.orchestrator.rundir import RunDir  # noqa: E402
 from tidegraph.runtime import set_determinism  # noqa: E402
 from tidegraph.training import ContinualLearner, RunConfig, load_stream  # noqa: E402
 
-SCENARIOS = ("kill", "allreduce", "forward", "after_step", "hang", "restart", "node")
+SCENARIOS = (
+    "kill",
+    "kill_spare",
+    "allreduce",
+    "allreduce_spare",
+    "forward",
+    "after_step",
+    "hang",
+    "restart",
+    "node",
+)
 MARKS: dict = {}  # what the wrappers below saw during the current run
 
 
@@ -176,6 +189,7 @@ def outside(sig: int, pass_index: int, delay: float, rank: int = 1):
 
     def during(learner, stop) -> None:
         pid = ray.get(learner.group.trainers[rank].pid.remote())
+        _wait_spares(learner.group, stop)
         if not _wait_pass(stop, pass_index):
             return
         time.sleep(delay)
@@ -192,6 +206,16 @@ def outside(sig: int, pass_index: int, delay: float, rank: int = 1):
                 os.kill(pid, signal.SIGKILL)
 
     return during
+
+
+def _wait_spares(group, stop) -> None:
+    """Until the group's spare trainers (`cluster.spare_trainers`) are up (none: at once)."""
+    while not stop.is_set():
+        refs = [j[2] for j in list(group.joiners.values())]
+        if not refs or len(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) == len(refs):
+            MARKS["spares_up"] = time.perf_counter()
+            return
+        time.sleep(0.005)
 
 
 def poll_death(rank: int = 1):
@@ -240,7 +264,9 @@ def summarize(name: str, got: dict, base: dict, step_s: float) -> dict:
         first = lambda key: next(x[1] for x in marks[key] if x[0] >= t_in)  # noqa: E731
         # replacement started (async), waited for by `_refresh` (its constructor), the new
         # gloo group; the rest is the survivors' reports and the state copy
-        parts = {k: first(k) for k in ("_new_trainer", "_refresh", "_connect")}
+        parts = {k: first(k) if any(x[0] >= t_in for x in marks.get(k, [])) else 0.0
+                 for k in ("_new_trainer", "_refresh", "_connect")}  # fmt: skip
+        row["spares_used"] = rec.get("spares_used", [])
         parts["reports_and_copy"] = row["resume_after_probe_s"] - sum(parts.values())
         row["recover_parts_s"] = parts
         if "kill" in marks:
@@ -397,6 +423,12 @@ def main() -> None:
     p.add_argument("--pass-index", type=int, default=1, help="training pass the kill hits")
     p.add_argument("--delay", type=float, default=0.3, help="seconds into that pass")
     p.add_argument("--fault-step", type=int, default=40, help="knob: global step of the fault")
+    p.add_argument(
+        "--spare-fault-step",
+        type=int,
+        default=90,
+        help="knob with a spare: a step late enough for the spare to be up",
+    )
     p.add_argument("--hang-timeout", type=float, default=5.0)
     p.add_argument("--probe-s", type=float, default=2.0, help="RayGroup.probe_s when hung")
     p.add_argument("--interval", type=int, default=100, help="baseline checkpoint interval")
@@ -429,8 +461,14 @@ def main() -> None:
             if name == "kill":
                 got = run(config(args), stream, outside(signal.SIGKILL, args.pass_index,
                                                         args.delay))  # fmt: skip
+            elif name == "kill_spare":  # a spare trainer started ahead takes the rank
+                got = run(config(args, spare_trainers=1), stream,
+                          outside(signal.SIGKILL, args.pass_index, args.delay))  # fmt: skip
             elif name in ("allreduce", "forward", "after_step"):
                 got = run(config(args, knob(name)), stream, poll_death())
+            elif name == "allreduce_spare":
+                late = [{"trainer": 1, "step": args.spare_fault_step, "at": "allreduce"}]
+                got = run(config(args, late, spare_trainers=1), stream, poll_death())
             elif name == "hang":
                 default = RayGroup.probe_s
                 RayGroup.probe_s = args.probe_s

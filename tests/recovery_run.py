@@ -13,18 +13,37 @@ from tidegraph.training import ContinualLearner
 METRICS = ("ap", "auc", "mrr", "old_ap", "loss", "val_ap", "replayed")
 
 
-def run(cfg, stream, during=None, join_s: float = 60.0) -> dict:
-    """The whole run; `during(learner)` is started in a thread once the group is up."""
+def run(cfg, stream, during=None, join_s: float = 60.0, during_in_main: bool = False) -> dict:
+    """The whole run; `during(learner)` is started in a thread once the group is up (or,
+    `during_in_main`, runs in this thread while the run trains in another: Ray's
+    `Cluster.add_node` works only in the main thread)."""
     set_determinism(7, threads=1)
     learner = ContinualLearner(cfg, stream)
+    failed: list = []
+
+    def train() -> None:
+        try:
+            learner.run_phase1()
+            while not learner.done:
+                learner.step()
+        except BaseException as exc:
+            failed.append(exc)
+
+    target, args = (train, ()) if during_in_main else (during, (learner,))
     thread = None
     if during is not None:
-        thread = threading.Thread(target=during, args=(learner,), daemon=True)
+        thread = threading.Thread(target=target, args=args, daemon=True)
         thread.start()
     try:
-        learner.run_phase1()
-        while not learner.done:
-            learner.step()
+        if during_in_main:
+            during(learner)
+            thread.join()
+            if failed:
+                raise failed[0]
+        else:
+            train()
+            if failed:
+                raise failed[0]
         group = learner.group
         return {
             "model": group.model_state(),

@@ -21,7 +21,7 @@ if not os.environ.get("RAY_ADDRESS"):
 
 import ray  # noqa: E402
 
-__all__ = ["connect", "loopback_cluster"]
+__all__ = ["connect", "loopback_cluster", "until"]
 
 log = logging.getLogger(__name__)
 
@@ -68,3 +68,17 @@ def loopback_cluster(worker_cpus: list[float], namespace: str, head_cpus: float 
         cluster.shutdown()
         raise
     return cluster, workers
+
+
+def until(check, timeout_s: float, what: str, every_s: float = 0.02):
+    """`check()`'s first truthy value, polled every `every_s` (tests, benchmarks driving a
+    cluster); TimeoutError naming `what` after `timeout_s`."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = check()
+        if got:
+            return got
+        time.sleep(every_s)
+    raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {what}")

@@ -157,6 +157,7 @@ class RayGroup:
     progress_s = 0.5  # seconds between progress reads while a pass runs
     probe_s = 10.0  # a trainer that does not answer this long after a failure is hung
     name_wait_s = 30.0  # for a lost trainer's name to be free for its replacement
+    replace_wait_s = 5.0  # for a replacement's slot, before a group above its min shrinks
 
     def __init__(
         self, config, num_nodes: int, edge_dim: int, expected_nodes: int | None = None
@@ -704,18 +705,28 @@ class RayGroup:
         # every trainer grew them), load its state, then all grow to what shards hold
         num_nodes = ray.get(self.trainers[source].nodes.remote())
         self._stale = set(behind)
-        spared = []
+        spared, dropped = [], []
         for w in plan.replace:
             self.incarnations[w] += 1
-            self.trainers[w], spare = self._replacement(w, num_nodes)
+            may_shrink = len(self.trainers) - len(dropped) > self.min_trainers
+            got = self._replacement(w, num_nodes, may_shrink)
+            if got is None:  # no room for a replacement in time: the group shrinks
+                dropped.append(w)
+                continue
+            self.trainers[w], spare = got
             spared += [w] if spare else []
-        ray.get([self.trainers[w].load_replica.remote(state, results) for w in behind])
+        copies = [self.trainers[w] for w in behind if w not in dropped]
+        if dropped:
+            self._drop_ranks(dropped, f"trainer {dropped} lost and no slot free for a "
+                             f"replacement within {self.replace_wait_s:.0f} s")  # fmt: skip
+            self._stale = {w for w, t in enumerate(self.trainers) if any(t is c for c in copies)}
+        ray.get([actor.load_replica.remote(state, results) for actor in copies])
         self._refresh(self.num_nodes, recovering=True)
         self._stale = set()
         self._connect()
         event = {
             "lost": lost, "lost_shards": lost_shards, "source": source, "steps_done": done,
-            "copied_to": sorted(behind), "spares_used": spared,
+            "copied_to": sorted(behind), "spares_used": spared, "dropped": dropped,
             "generation": self.generation, "seconds": time.perf_counter() - t0,
             "cause": type(cause).__name__,
         }  # fmt: skip
@@ -727,12 +738,29 @@ class RayGroup:
         )  # fmt: skip
         return reports[source]["results"]
 
-    def _replacement(self, w: int, num_nodes: int) -> tuple:
+    def _replacement(self, w: int, num_nodes: int, may_shrink: bool = False) -> tuple | None:
         """A trainer for the lost rank `w`, and whether it is a spare: one already up
         (`cluster.spare_trainers`, or one starting to join) takes the rank without a process
-        start; else a new one starts in the rank's slot."""
+        start; else a new one starts in a new slot (the lost one's may be on a node that
+        died, whose bundles Ray moves only once it declares the node dead). None: no slot
+        was placed within `replace_wait_s` and the group may shrink (above its minimum)."""
         up = self._joiners_up(_draining_nodes())
         if not up:
+            member = self.members[w]
+            with contextlib.suppress(Exception):
+                remove_placement_group(self.member_slots.pop(member))
+            slot = self._slot()
+            wait = self.replace_wait_s if may_shrink else self.placement_wait_s
+            if not ray.wait([slot.ready()], timeout=wait)[0]:
+                remove_placement_group(slot)
+                if may_shrink:
+                    return None
+                raise PlacementTimeout(
+                    f"no room for a replacement of trainer {w} x {self.trainer_bundle} within "
+                    f"{wait:.0f} s (cluster min trainers {self.min_trainers}); available: "
+                    f"{ray.available_resources()}"
+                )
+            self.member_slots[member] = slot
             return self._new_trainer(w, num_nodes=num_nodes), False
         slot = up[0]
         member, actor, _ = self.joiners.pop(id(slot))
@@ -745,6 +773,24 @@ class RayGroup:
         log.info("spare trainer (member %d) replaces rank %d", member, w)
         self._top_up()
         return actor, True
+
+    def _drop_ranks(self, ranks: list[int], reason: str) -> None:
+        """Take lost `ranks` out of the group (their slots are gone) and renumber the rest;
+        a pending slot per missing trainer is asked for, to grow back when Ray places it."""
+        old = self.num_trainers
+        keep = [w for w in range(old) if w not in ranks]
+        left = [{"rank": w, "member": self.members[w]} for w in ranks]
+        self.trainers = [self.trainers[w] for w in keep]
+        self.members = [self.members[w] for w in keep]
+        self.incarnations = [self.incarnations[w] for w in keep]
+        self.num_trainers = len(keep)
+        ray.get([t.set_rank.remote(r, self.num_trainers) for r, t in enumerate(self.trainers)])
+        self._top_up()
+        event = {"from": old, "to": self.num_trainers, "left": left, "joined": [],
+                 "reason": reason, "at": "recovery", "seconds": 0.0,
+                 "time": time.time()}  # fmt: skip
+        self.resizes.append(event)
+        log.warning("resize in recovery: %d -> %d trainers (%s)", old, self.num_trainers, reason)
 
     def _probe_shards(self) -> list[int]:
         """Partitions whose shard actor is dead or does not answer within `probe_s`."""

@@ -267,6 +267,8 @@ class ClusterConfig:
                 raise ValueError(f"cluster.trainers must be an integer or {{min, max}}, got {t}")
             self.min_trainers, self.max_trainers = t["min"], t["max"]
         elif self.min_trainers is None and self.max_trainers is None:
+            if isinstance(t, bool) or not isinstance(t, int) or t < 1:
+                raise ValueError(f"cluster.trainers must be an integer >= 1, got {t!r}")
             self.min_trainers = self.max_trainers = t
         for name in ("min_trainers", "max_trainers"):
             value = getattr(self, name)

@@ -1,0 +1,116 @@
+"""Elastic groups on several Ray nodes (loopback): a node joins mid-run and a trainer starts
+there and joins the group; the node is drained and its trainer leaves before the deadline;
+a run whose minimum cannot be placed waits, naming what is missing, until a node joins.
+Each run ends where a fixed-size run ends, up to float summation order (slow)."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import ray
+from ray.core.generated import autoscaler_pb2
+
+from tidegraph.orchestrator.cluster import loopback_cluster, until
+from tidegraph.orchestrator.ray_group import RayGroup
+from tidegraph.training import RunConfig, load_stream
+
+sys.path.insert(0, str(Path(__file__).parent))
+import reference_run  # noqa: E402
+from recovery_run import run  # noqa: E402
+from test_elastic import EVENTS, assert_close_run  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def head_only():
+    """A head with room for two shards and one trainer, nothing more (workers join later)."""
+    cluster, _ = loopback_cluster([], "tidegraph-elastic-cluster", head_cpus=2)
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def wiki():
+    return load_stream("wikipedia", EVENTS)
+
+
+def config(trainers) -> RunConfig:
+    raw = reference_run.reference_config("tgn")
+    raw["model"]["slot_precision"] = "fp32"
+    raw["data"]["max_events"] = EVENTS
+    # long enough (~15 s) for a node to join and a trainer process to start there meanwhile
+    raw["train"].update(batch_size=100, epochs=8)
+    raw["continual"].update(num_increments=4, retrain_epochs=8)
+    raw["cluster"] = {"backend": "ray", "trainers": trainers, "shards": 2, "trainer_cpus": 1,
+                      "shard_cpus": 0.5, "elastic_poll_s": 0.1}  # fmt: skip
+    raw["run_name"] = "elastic-cluster"
+    return RunConfig.from_dict(raw)
+
+
+def test_a_joining_node_grows_the_group_and_a_drained_one_shrinks_it(head_only, wiki, monkeypatch):
+    monkeypatch.setattr(RayGroup, "progress_s", 0.02)
+    fixed = run(config(1), wiki)
+    seen: dict = {}
+
+    def during(learner) -> None:
+        group = learner.group
+        node = head_only.add_node(num_cpus=1, node_ip_address="127.0.0.1")
+        seen["joined"] = time.monotonic()
+        grow = until(lambda: group.resizes[:1], 120, "a trainer to join on the new node")
+        seen["grow"] = grow[0]
+        gcs = ray._raylet.GcsClient(address=head_only.address)
+        deadline_ms = int(time.time() * 1000) + 30_000
+        seen["drain"] = time.monotonic()
+        accepted, why = gcs.drain_node(
+            node.node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
+            "test: spot preemption", deadline_ms,
+        )  # fmt: skip
+        assert accepted, why
+        shrink = until(lambda: group.resizes[1:2], 30, "the drained node's trainer to leave")
+        seen["shrink"], seen["left_s"] = shrink[0], time.monotonic() - seen["drain"]
+        head_only.remove_node(node)  # the node goes away: nothing of the run was on it
+
+    got = run(config({"min": 1, "max": 2}), wiki, during, join_s=180, during_in_main=True)
+    assert "shrink" in seen, seen
+    grow, shrink = seen["grow"], seen["shrink"]
+    assert (grow["from"], grow["to"]) == (1, 2) and "slot" in grow["reason"]
+    assert (shrink["from"], shrink["to"]) == (2, 1) and "draining" in shrink["reason"]
+    assert shrink["left"][0]["member"] == grow["joined"][0]
+    assert seen["left_s"] < 30  # before the drain deadline
+    assert got["recoveries"] == []  # it left: nothing was lost with the node
+    assert got["trainer_steps"] == [fixed["steps"]]
+    assert_close_run(got, fixed)
+
+
+def test_a_run_waits_for_its_minimum_naming_what_is_missing(head_only, wiki, caplog):
+    """min 2 trainers do not fit the head: the group waits (logging the missing resources)
+    and starts once a node joins (added here, in the main thread, as Ray requires)."""
+    caplog.set_level("INFO", logger="tidegraph.orchestrator.ray_group")
+    out: dict = {}
+
+    def whole_run() -> None:
+        try:
+            out["got"] = run(config({"min": 2, "max": 2}), wiki)
+        except BaseException as exc:
+            out["error"] = exc
+
+    thread = threading.Thread(target=whole_run, daemon=True)
+    thread.start()
+    until(lambda: any("waiting for resources" in r.getMessage() for r in caplog.records),
+           60, "the group to say what it waits for")  # fmt: skip
+    node = head_only.add_node(num_cpus=1, node_ip_address="127.0.0.1")
+    try:
+        thread.join(timeout=300)
+    finally:
+        head_only.remove_node(node)
+    assert "error" not in out, out.get("error")
+    waits = [r.getMessage() for r in caplog.records if "waiting for resources" in r.getMessage()]
+    assert "1 of 2..2 trainers" in waits[0] and "available" in waits[0]
+    got = out["got"]
+    assert got["trainer_steps"] == [got["steps"]] * 2
