@@ -130,3 +130,15 @@ def test_module_entry_point_reports_a_data_error_without_traceback(tmp_path: Pat
     assert done.returncode == 2, done.stderr
     line = error_line(done.stderr)
     assert line.startswith(f"error: {path}: cannot read the file")
+
+
+def test_yaml_data_section_names_columns_and_features(tmp_path: Path) -> None:
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        "data:\n  dataset: signed.csv\n  format: csv\n  header: false\n"
+        "  columns: {src: 0, dst: 1, time: 3}\n  features: [2]\n"
+    )
+    d = parse_config(["--config", str(config)]).data
+    assert d.columns == {"src": 0, "dst": 1, "time": 3} and d.features == [2]
+    assert d.header is False
+    assert parse_config(["--config", str(config), "--header"]).data.header is True

@@ -213,3 +213,11 @@ def test_load_stream_takes_the_data_section_options(tmp_path: Path) -> None:
     stream = load_stream(str(path), columns="src=0,dst=1,time=3", features="2")
     assert stream.edge_dim == 1 and stream.events.t[0].item() == 100.0
     assert stream.events.edge_feat[:5, 0].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
+
+
+def test_feature_columns_do_not_apply_to_jodie(tmp_path: Path) -> None:
+    path = write(tmp_path / "j.csv", "user_id,item_id,timestamp,state_label,f\n0,0,1,0,0.5\n")
+    with pytest.raises(LoaderError, match=r"j\.csv: LoaderConfig\.features does not apply"):
+        load_events(path, features="f")
+    batch = load_events(path, "csv", features="4")  # as a plain CSV, by position
+    assert batch.edge_feat.tolist() == [[0.5]]

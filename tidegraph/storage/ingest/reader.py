@@ -112,8 +112,14 @@ class EventReader:
     def _make_source(self) -> tuple[Source, IdRules]:
         cfg, fmt, rules = self.config, self.format, IdRules(node_bound=self.config.num_nodes)
         if fmt == "jodie":
-            if cfg.columns is not None:
-                raise ValueError("LoaderConfig.columns does not apply to format 'jodie'")
+            for name in ("columns", "features"):
+                if getattr(cfg, name) is not None:
+                    reason = (
+                        f"LoaderConfig.{name} does not apply to format 'jodie' (user, item, "
+                        "time, label, then every feature field); choose columns with format "
+                        "'csv' (--format csv)"
+                    )
+                    raise LoaderError(self.path, None, reason)
             return jodie_source(self.path, cfg)
         if fmt == "tgl":
             return TglSource(self.path, cfg), rules
