@@ -14,6 +14,7 @@ import pytest
 import ray
 import torch
 
+from tidegraph.jobs import resize
 from tidegraph.orchestrator.ray_group import RayGroup
 from tidegraph.training import RunConfig, load_stream
 
@@ -79,7 +80,8 @@ def wants(*counts, first: float = 0.1, every: float = 0.1):
         for i, count in enumerate(counts):
             while learner.cursor.step < steps * (first + i * every):
                 time.sleep(0.005)
-            ray.get(learner.group.coordinator.want_trainers.remote(count, "test"))
+            argv = ["--run-name", learner.config.run_name, "--trainers", str(count)]
+            assert resize.main(argv) == 0  # the operator's command, in this process
 
     return during
 
@@ -120,3 +122,20 @@ def test_a_spare_trainer_takes_a_lost_rank_without_a_process_start(
     assert event["lost"] == [1] and event["spares_used"] == [1]
     assert got["resizes"] == []
     assert_same_run(got, fixed)
+
+
+def test_the_resize_command_refuses_an_unknown_run_and_a_count_out_of_bounds(
+    ray_session, wiki, capsys
+):
+    assert resize.main(["--run-name", "no-such-run", "--trainers", "2"]) == 2
+    assert "no run named 'no-such-run'" in capsys.readouterr().err
+    from tidegraph.training import ContinualLearner
+
+    learner = ContinualLearner(config({"min": 1, "max": 2}), wiki)
+    try:
+        assert resize.main(["--run-name", learner.config.run_name, "--trainers", "3"]) == 2
+        assert "allows 1 to 2 trainers" in capsys.readouterr().err
+        assert resize.main(["--run-name", learner.config.run_name]) == 0
+        assert '"trainers": 2' in capsys.readouterr().out
+    finally:
+        learner.group.shutdown()

@@ -111,6 +111,30 @@ def test_a_run_waits_for_its_minimum_naming_what_is_missing(head_only, wiki, cap
         head_only.remove_node(node)
     assert "error" not in out, out.get("error")
     waits = [r.getMessage() for r in caplog.records if "waiting for resources" in r.getMessage()]
-    assert "1 of 2..2 trainers" in waits[0] and "available" in waits[0]
+    assert "of 2..2 trainers" in waits[0] and "available" in waits[0]
     got = out["got"]
     assert got["trainer_steps"] == [got["steps"]] * 2
+
+
+def test_a_lost_node_with_no_room_elsewhere_shrinks_the_group(head_only, wiki, monkeypatch):
+    """The node of the joined trainer goes away without notice: no slot is free for a
+    replacement, so the group (above its minimum) goes on with one trainer, from the
+    survivor's whole steps; a pending slot is kept to grow back."""
+    monkeypatch.setattr(RayGroup, "progress_s", 0.02)
+    monkeypatch.setattr(RayGroup, "replace_wait_s", 1.0)
+    fixed = run(config(1), wiki)
+
+    def during(learner) -> None:
+        group = learner.group
+        node = head_only.add_node(num_cpus=1, node_ip_address="127.0.0.1")
+        until(lambda: group.resizes[:1], 120, "a trainer to join on the new node")
+        head_only.remove_node(node, allow_graceful=False)
+        until(lambda: group.recoveries, 60, "the recovery")
+
+    got = run(config({"min": 1, "max": 2}), wiki, during, join_s=180, during_in_main=True)
+    (event,) = got["recoveries"]
+    assert event["lost"] == [1] and event["dropped"] == [1]
+    assert [(r["from"], r["to"]) for r in got["resizes"]] == [(1, 2), (2, 1)]
+    assert got["resizes"][1]["at"] == "recovery"
+    assert got["trainer_steps"] == [fixed["steps"]]
+    assert_close_run(got, fixed)

@@ -22,10 +22,10 @@ import sys
 import time
 from pathlib import Path
 
-import yaml
-
+from tidegraph.config_check import explicit_fields
+from tidegraph.jobs.preflight import conflicts, preflight
 from tidegraph.runtime import set_determinism, tune_host_allocator
-from tidegraph.training.config import RunConfig
+from tidegraph.training.config import RunConfig, read_config
 from tidegraph.training.data import stream_for
 from tidegraph.training.offline import run_offline
 
@@ -98,11 +98,25 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--backend", help="ray (actors; a local Ray unless RAY_ADDRESS) or local")
     p.add_argument("--run-name", help="names the run (its Ray namespace)")
-    p.add_argument("--trainers", type=int, help="data-parallel trainers W (default 1)")
+    p.add_argument(
+        "--trainers", type=_trainers,
+        help="data-parallel trainers: W, or MIN:MAX for an elastic group (ray backend)",
+    )  # fmt: skip
     p.add_argument("--shards", type=int, help="graph shards P (default 1)")
     p.add_argument("--memory", help="node state placement: auto, replicated or sharded")
     p.add_argument("--partitioner", help="hash (default) or ldg")
     return p
+
+
+def _trainers(text: str) -> int | dict:
+    """`--trainers W` or `--trainers MIN:MAX`."""
+    try:
+        if ":" in text:
+            lo, hi = text.split(":")
+            return {"min": int(lo), "max": int(hi)}
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"W or MIN:MAX expected, got {text!r}") from None
 
 
 def parse_config(argv: list[str] | None = None) -> RunConfig:
@@ -110,14 +124,8 @@ def parse_config(argv: list[str] | None = None) -> RunConfig:
 
 
 def _config(args: argparse.Namespace) -> RunConfig:
-    raw = {}
-    if args.config:
-        try:
-            raw = yaml.safe_load(Path(args.config).read_text()) or {}
-        except (OSError, yaml.YAMLError) as e:
-            raise ValueError(f"--config {args.config}: {e}") from None
-        if not isinstance(raw, dict):
-            raise ValueError(f"--config {args.config}: a mapping of sections expected")
+    raw = read_config(args.config) if args.config else {}
+    from_yaml, overrides = dict(raw), {}  # overrides: dotted field -> the flag that set it
     if not -1 <= args.metrics_port <= 65535:
         raise ValueError(f"--metrics-port must be -1, 0 or a port number, got {args.metrics_port}")
     sections = {
@@ -143,6 +151,7 @@ def _config(args: argparse.Namespace) -> RunConfig:
     }.items():
         if getattr(args, flag) is not None:
             sections[section][key] = getattr(args, flag)
+            overrides[f"{section}.{key}"] = "--" + flag.replace("_", "-")
     # the job's own default: a local Ray (or RAY_ADDRESS's) with 2 shards and 2 trainers
     for key, value in (("backend", "ray"), ("shards", 2), ("trainers", 2)):
         sections["cluster"].setdefault(key, value)
@@ -158,10 +167,15 @@ def _config(args: argparse.Namespace) -> RunConfig:
     ):
         if getattr(args, flag) is not None:
             raw[key] = getattr(args, flag)
+            overrides[key] = "--" + flag.replace("_", "-")
     if args.mode:
         raw["mode"] = args.mode
     if args.no_progress:
         raw["progress"] = False
+    clash = conflicts(from_yaml, overrides)
+    if clash:
+        raise ValueError(clash[0])
+    args.explicit = explicit_fields(raw)  # what the YAML and flags asked for (--resume checks)
     return RunConfig.from_dict(raw)
 
 
@@ -171,12 +185,13 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         config = _config(args)
+        preflight(config, out=args.out, quarantine=args.quarantine, follow=args.follow)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     resume = args.resume
     try:
-        config, run_dir = _open_run(config, resume, args.out)
+        config, run_dir = _open_run(config, resume, args.out, args.explicit)
     except ValueError as err:  # a run there already, nothing to resume, unwritable storage
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -212,10 +227,10 @@ def main(argv: list[str] | None = None) -> int:
             ray.shutdown()
 
 
-def _open_run(config: RunConfig, resume: bool, out: str | None):
+def _open_run(config: RunConfig, resume: bool, out: str | None, explicit=frozenset()):
     """The run directory (fresh, or resumed with its stored config) and the config to run;
     `out` (--out) names the run directory itself."""
-    from tidegraph.orchestrator.rundir import RunDir
+    from tidegraph.orchestrator.rundir import RunDir, check_resume_config
 
     if out is not None:
         out = Path(out).absolute()
@@ -226,9 +241,7 @@ def _open_run(config: RunConfig, resume: bool, out: str | None):
     run_dir = RunDir(storage, name, resume)
     if resume:
         stored = RunConfig.from_dict(run_dir.load_config())
-        changed = _diff(stored.to_dict(), config.to_dict(), ("run_name", "out_dir", "storage"))
-        if changed:
-            log.warning("resuming with the run's stored config; ignoring changed %s", changed)
+        check_resume_config(stored.to_dict(), config.to_dict(), explicit)
         config = stored
     config.run_name, config.storage = name, storage
     config.out_dir = run_dir.path if run_dir.local else str(Path("runs") / name)
@@ -245,19 +258,6 @@ def _live_source(config: RunConfig, args):
         raise ValueError(f"--follow-lines applies to a growing file, not to the directory "
                          f"{args.follow}")  # fmt: skip
     return open_source(args.follow, d.format, d.quarantine, args.follow_lines)
-
-
-def _diff(a: dict, b: dict, skip: tuple[str, ...], prefix: str = "") -> list[str]:
-    out = []
-    for key in sorted(set(a) | set(b)):
-        if key in skip:
-            continue
-        x, y = a.get(key), b.get(key)
-        if isinstance(x, dict) and isinstance(y, dict):
-            out += _diff(x, y, (), f"{prefix}{key}.")
-        elif x != y:
-            out.append(f"{prefix}{key}")
-    return out
 
 
 def _run(
