@@ -210,9 +210,12 @@ def outside(sig: int, pass_index: int, delay: float, rank: int = 1):
 
 def _wait_spares(group, stop) -> None:
     """Until the group's spare trainers (`cluster.spare_trainers`) are up (none: at once)."""
+    want = group.config.cluster.spare_trainers
     while not stop.is_set():
         refs = [j[2] for j in list(group.joiners.values())]
-        if not refs or len(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) == len(refs):
+        if len(refs) >= want and len(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) == len(
+            refs
+        ):
             MARKS["spares_up"] = time.perf_counter()
             return
         time.sleep(0.005)

@@ -239,6 +239,9 @@ class RayGroup:
         self._connect()
         ray.get([s.ping.remote() for s in self.shards])
         self._top_up()  # spare trainers (`cluster.spare_trainers`) start in the background
+        if _spares(c):  # their slots are placed in moments when there is room
+            ray.wait([pg.ready() for pg in self.spares], num_returns=len(self.spares),
+                     timeout=2.0)  # fmt: skip
         self._joiners_up(_draining_nodes())
         self._publish()
         log.info(
