@@ -229,9 +229,11 @@ def main() -> None:
         ray.shutdown()
         cluster.shutdown()
     grow, shrink = got.get("grow"), got.get("shrink")
-    step_s = got["wall_s"] / max(got["steps"], 1)
+    step_s = got["wall_s"] / max(got["steps"], 1)  # wall time per training step, all in
     base = got["baseline"]
-    lost_baseline = base["restart_s"] + args.interval / 2 * step_s
+    speed = rates(got["history"], grow, shrink)
+    train_step_s = args.batch_size / speed["w1_train_ev_s"] if speed["w1_train_ev_s"] else step_s
+    lost_baseline = base["restart_s"] + args.interval / 2 * train_step_s
     row = {
         "machine": machine(), "date": time.strftime("%Y-%m-%d"), "events": args.events,
         "steps": got["steps"], "wall_s": got["wall_s"], "step_s": step_s,
@@ -243,7 +245,7 @@ def main() -> None:
         "drain_to_left_s": shrink["time"] - got["t_drain"] if shrink else None,
         "leave_pause_s": shrink["seconds"] if shrink else None,
         "drain_to_node_free_s": got.get("node_free_s"),
-        **rates(got["history"], grow, shrink),
+        **speed, "train_step_s_w1": train_step_s,
         "baseline": base, "baseline_interval": args.interval,
         "baseline_lost_s": lost_baseline,
         "resizes": [g for g in (grow, shrink) if g],
