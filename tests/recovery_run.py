@@ -52,6 +52,7 @@ def run(cfg, stream, during=None, join_s: float = 60.0, during_in_main: bool = F
             "trainer_steps": group._all("__getattribute__", "steps"),
             "recoveries": list(group.recoveries),
             "resizes": list(getattr(group, "resizes", [])),
+            "shard_moves": list(getattr(group, "shard_moves", [])),
             "placement": group.placement(),
             "shard_events": group.report(stream.events.src, stream.events.dst),
         }

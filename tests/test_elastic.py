@@ -139,3 +139,22 @@ def test_the_resize_command_refuses_an_unknown_run_and_a_count_out_of_bounds(
         assert '"trainers": 2' in capsys.readouterr().out
     finally:
         learner.group.shutdown()
+
+
+def test_a_shard_moved_mid_run_changes_nothing(ray_session, wiki, fixed, quick_polls):
+    """An operator moves partition 1 to a new shard actor (`jobs.resize --move-shard`): the
+    successor starts while the group trains, copies the shard at a step boundary and takes
+    its requests; every shard holds the log's events and the run is bitwise the fixed one."""
+
+    def during(learner) -> None:
+        steps = sum(u.kind == "train" for u in learner.schedule.units)
+        while learner.cursor.step < steps * 0.2:
+            time.sleep(0.005)
+        argv = ["--run-name", learner.config.run_name, "--move-shard", "1"]
+        assert resize.main(argv) == 0
+
+    got = run(config(2), wiki, during)
+    assert [m["part"] for m in got["shard_moves"]] == [1]
+    assert got["shard_moves"][0]["events"] > 0  # checked equal to the old shard's at the move
+    assert got["resizes"] == [] and got["recoveries"] == []
+    assert_same_run(got, fixed)

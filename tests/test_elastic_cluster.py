@@ -20,7 +20,7 @@ from tidegraph.training import RunConfig, load_stream
 
 sys.path.insert(0, str(Path(__file__).parent))
 import reference_run  # noqa: E402
-from recovery_run import run  # noqa: E402
+from recovery_run import assert_same_run, run  # noqa: E402
 from test_elastic import EVENTS, assert_close_run  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -138,3 +138,39 @@ def test_a_lost_node_with_no_room_elsewhere_shrinks_the_group(head_only, wiki, m
     assert got["resizes"][1]["at"] == "recovery"
     assert got["trainer_steps"] == [fixed["steps"]]
     assert_close_run(got, fixed)
+
+
+def test_a_drained_node_hands_its_shard_over_before_the_deadline(head_only, wiki, monkeypatch):
+    """A shard on a node that Ray drains moves to a successor elsewhere (started while the
+    group trains, state copied at a step boundary); the node is then removed with nothing of
+    the run on it, and the run is bitwise the one whose shards never moved."""
+    monkeypatch.setattr(RayGroup, "progress_s", 0.02)
+    fixed = run(config(1), wiki)
+    node = head_only.add_node(num_cpus=1, node_ip_address="127.0.0.1")  # one shard goes here
+    seen: dict = {}
+
+    def during(learner) -> None:
+        group = learner.group
+        (part,) = [p for p, n in enumerate(group._shard_nodes()) if n == node.node_id]
+        gcs = ray._raylet.GcsClient(address=head_only.address)
+        seen["drain"] = time.monotonic()
+        accepted, why = gcs.drain_node(
+            node.node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
+            "test: spot preemption", int(time.time() * 1000) + 30_000,
+        )  # fmt: skip
+        assert accepted, why
+        until(lambda: group.shard_moves, 30, "the drained node's shard to move")
+        seen["moved_s"], seen["part"] = time.monotonic() - seen["drain"], part
+        head_only.remove_node(node)
+
+    try:
+        got = run(config(1), wiki, during, join_s=180, during_in_main=True)
+    finally:
+        if node in head_only.worker_nodes:
+            head_only.remove_node(node)
+    (move,) = got["shard_moves"]
+    assert move["part"] == seen["part"] and move["from_node"] == node.node_id
+    assert move["to_node"] != node.node_id
+    assert seen["moved_s"] < 30  # before the drain deadline
+    assert got["recoveries"] == []
+    assert_same_run(got, fixed)

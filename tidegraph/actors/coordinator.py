@@ -8,7 +8,8 @@ asked the group to stop early (to resize at the next step boundary): trainer 0 r
 without waiting and carries its vote to the group with the next step's update exchange.
 
 Operators reach a run through this actor too (it is named, in the run's namespace):
-`tidegraph.jobs.resize` leaves a wanted trainer count here, which the driver takes.
+`tidegraph.jobs.resize` leaves a wanted trainer count (or a shard to move) here, which the
+driver takes.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class _Coordinator(StoreHost):
         self.steps = 0
         self.stop = False
         self.wanted: tuple[int, str] | None = None  # (trainers, who asked)
+        self.moves: set[int] = set()  # partitions to move to new shard actors
         self.status: dict = {}
 
     def report(self, steps: int) -> bool:
@@ -51,6 +53,14 @@ class _Coordinator(StoreHost):
     def take_wanted(self) -> tuple[int, str] | None:
         wanted, self.wanted = self.wanted, None
         return wanted
+
+    def move_shard(self, part: int) -> None:
+        """An operator's request to move partition `part` to a new shard actor."""
+        self.moves.add(int(part))
+
+    def take_moves(self) -> list[int]:
+        moves, self.moves = sorted(self.moves), set()
+        return moves
 
     def publish(self, status: dict) -> None:
         """The run's membership (trainers, bounds, last resize), for operators."""

@@ -5,8 +5,10 @@ machine), finds the run's coordinator actor in the run's namespace, and leaves t
 trainer count there; the driver takes it at its next look (`cluster.elastic_poll_s`) and
 the trainers stop after their current step to resize (members above the count leave,
 highest ranks first; for more, trainers start in slots Ray places and join once up). N must
-lie within the run's `cluster.trainers: {min, max}`. Without `--trainers` it prints the
-run's membership. Errors (no such run, N out of range) print one line and exit with 2.
+lie within the run's `cluster.trainers: {min, max}`. `--move-shard P` moves partition P's shard
+to a new actor wherever Ray has room (it starts in the background, then copies the shard at a
+step boundary). Without either it prints the run's membership. Errors (no such run, N out
+of range) print one line and exit with 2.
 """
 
 from __future__ import annotations
@@ -23,6 +25,11 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m tidegraph.jobs.resize", description=__doc__)
     p.add_argument("--run-name", required=True, help="the run's name (its Ray namespace)")
     p.add_argument("--trainers", type=int, help="the wanted number of trainers")
+    p.add_argument(
+        "--move-shard", type=int, metavar="P",
+        help="move partition P's shard to a new actor wherever Ray has room (off a node to "
+        "be retired, say)",
+    )  # fmt: skip
     p.add_argument("--address", help="the Ray cluster (default: RAY_ADDRESS, else 'auto')")
     return p
 
@@ -59,6 +66,14 @@ def main(argv: list[str] | None = None) -> int:
             ray.get(coordinator.want_trainers.remote(args.trainers, "operator (jobs.resize)"))
             print(f"run {args.run_name}: asked for {args.trainers} trainers "
                   f"(now {status.get('trainers')})")  # fmt: skip
+        if args.move_shard is not None:
+            shards = status.get("shards")
+            if shards is not None and not 0 <= args.move_shard < shards:
+                print(f"error: --move-shard {args.move_shard}: run {args.run_name!r} has "
+                      f"shards 0..{shards - 1}", file=sys.stderr)  # fmt: skip
+                return 2
+            ray.get(coordinator.move_shard.remote(args.move_shard))
+            print(f"run {args.run_name}: asked to move shard {args.move_shard}")
         print(json.dumps(status, indent=2, default=str))
         return 0
     finally:

@@ -217,6 +217,12 @@ class RayGroup:
         opts = dict(namespace=self.namespace, lifetime=None)
         self.coordinator = CoordinatorActor.options(name="tidegraph-coordinator", **opts).remote()
         self._shard_args = (edge_dim, cuda)
+        # partition p's shard lives in bundle `shard_slots[p][1]` of placement group
+        # `shard_slots[p][0]` (the shards' SPREAD group, or its own once it moved)
+        self.shard_slots = [(self.shard_pg, p) for p in range(c.shards)]
+        self.shard_successors: dict[int, tuple] = {}  # p: (slot, actor, first answer)
+        self.shard_moves: list[dict] = []  # one record per shard moved to another actor
+        self._wanted_moves: set[int] = set()  # partitions an operator asked to move
         self.shards = [self._new_shard(p) for p in range(c.shards)]
         self._trainer_args = (raw, edge_dim, cuda)
         self.num_nodes = num_nodes
@@ -250,14 +256,16 @@ class RayGroup:
             self.memory_placement,
         )  # fmt: skip
 
-    def _new_shard(self, p: int):
-        """Shard actor of partition `p`, in its bundle of the shards' placement group."""
+    def _new_shard(self, p: int, slot: tuple | None = None, name: str | None = None):
+        """Shard actor of partition `p`, in its slot (a placement group and bundle index;
+        default: the partition's)."""
         config, c = self.config, self.config.cluster
         edge_dim, cuda = self._shard_args
+        pg, bundle = self.shard_slots[p] if slot is None else slot
         return GraphShardActor.options(
-            name=f"tidegraph-shard-{p}", num_cpus=c.shard_cpus, namespace=self.namespace,
-            lifetime=None,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(self.shard_pg, p),
+            name=name or f"tidegraph-shard-{p}", num_cpus=c.shard_cpus,
+            namespace=self.namespace, lifetime=None,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, bundle),
         ).remote(
             self._runtime(p), p, c.shards, edge_dim=edge_dim,
             feature_precision=config.data.feature_precision,
@@ -490,35 +498,132 @@ class RayGroup:
 
     # ---- elasticity ---------------------------------------------------------------------------
 
-    def _plan(self, force: bool = False) -> ResizeDecision | None:
-        """What the group should change now (`elastic.policy`), looked at every
-        `cluster.elastic_poll_s` (or now, `force`): an operator's wanted count, trainers on
-        draining nodes, spare slots Ray placed."""
+    def _plan(self, force: bool = False) -> tuple[ResizeDecision | None, list[int]]:
+        """What the group should change now, looked at every `cluster.elastic_poll_s` (or
+        now, `force`): the trainers' resize (`elastic.policy`: an operator's wanted count,
+        trainers on draining nodes, spare slots Ray placed) and the partitions whose shard
+        should move to the successor started for it (its node is draining, or an operator
+        asked), once that successor is up."""
         now = time.monotonic()
         if not force and now < self._next_check:
-            return None
+            return None, []
         self._next_check = now + _poll_s(self.config.cluster)
-        wanted = ray.get(self.coordinator.take_wanted.remote())
+        wanted, moves = ray.get([self.coordinator.take_wanted.remote(),
+                                 self.coordinator.take_moves.remote()])  # fmt: skip
+        bad = [p for p in moves if not 0 <= p < self.num_shards]
+        if bad:
+            log.warning("asked to move shards %s: there are shards 0..%d only", bad,
+                        self.num_shards - 1)  # fmt: skip
+        self._wanted_moves.update(p for p in moves if 0 <= p < self.num_shards)
         if wanted is not None and wanted[0] != self.target:
             log.info("%s wants %d trainers (now %d)", wanted[1], wanted[0], self.num_trainers)
             self.target = wanted[0]
             self._top_up()
         draining = _draining_nodes()
         ranks = {w: n for w, n in enumerate(self._member_nodes()) if n in draining}
+        moves = self._successors_up(draining)
         return plan_resize(self.num_trainers, self.target, len(self._joiners_up(draining)),
-                           ranks)  # fmt: skip
+                           ranks), moves  # fmt: skip
 
     def _resize_if_due(self, force: bool = False, at: str = "between steps") -> None:
-        """Resize now if the group should (at a step boundary, `at`: nothing is under
-        way)."""
-        decision = self._plan(force or self._stop_asked)
+        """Resize and move shards now if the group should (at a step boundary, `at`:
+        nothing is under way)."""
+        decision, moves = self._plan(force or self._stop_asked)
         self._stop_asked = False
-        if decision is None:
-            return
         try:
-            self._resize(decision, at)
+            for p in moves:
+                self._move_shard(p, at)
+            if decision is not None:
+                self._resize(decision, at)
         except ray.exceptions.RayError as exc:  # a member lost meanwhile: recover instead
             self.recover(exc)
+
+    # ---- shards moving between nodes ----------------------------------------------------------
+
+    def move_shard(self, p: int, wait_s: float = 120.0) -> None:
+        """Move partition `p` to a new shard actor wherever Ray has room (an operator's
+        move; a draining node's shards move by themselves): its successor starts, copies
+        the shard's state at a step boundary and takes its place."""
+        self._wanted_moves.add(p)
+        deadline = time.monotonic() + wait_s
+        while p in self._wanted_moves:
+            self.drain()
+            self._resize_if_due(force=True, at="an operator's shard move")
+            if time.monotonic() > deadline:
+                raise PlacementTimeout(f"shard {p}: no successor up within {wait_s:.0f} s")
+            time.sleep(0.01)
+
+    def _shard_nodes(self) -> list:
+        """Node id of each partition's shard (from its slot, in the GCS)."""
+        return [_slot_table(pg).get("bundles_to_node_id", {}).get(i)
+                for pg, i in self.shard_slots]  # fmt: skip
+
+    def _successors_up(self, draining) -> list[int]:
+        """Partitions whose successor shard is up. Starts a successor (in a slot of its own,
+        which Ray places off draining nodes) for each partition on a draining node or asked
+        to move; a successor that failed is dropped (and started again at the next look)."""
+        up = []
+        for p, node in enumerate(self._shard_nodes()):
+            if node not in draining and p not in self._wanted_moves:
+                continue
+            successor = self.shard_successors.get(p)
+            if successor is None:
+                slot = placement_group([{"CPU": self.config.cluster.shard_cpus}])
+                serial = len(self.shard_moves) + len(self.shard_successors) + 1
+                actor = self._new_shard(p, (slot, 0), name=f"tidegraph-shard-{p}-{serial}")
+                self.shard_successors[p] = (slot, actor, actor.ping.remote())
+                log.info("shard %d on node %s: starting its successor to move to", p, node)
+                continue
+            if ray.wait([successor[2]], timeout=0)[0]:
+                try:
+                    ray.get(successor[2])
+                    up.append(p)
+                except ray.exceptions.RayError as exc:
+                    log.warning("shard %d's successor failed to start (%s)", p, exc)
+                    self._drop_successor(p)
+        return up
+
+    def _drop_successor(self, p: int) -> None:
+        slot, actor, _ = self.shard_successors.pop(p)
+        ray.kill(actor)
+        with contextlib.suppress(Exception):
+            remove_placement_group(slot)
+
+    def _move_shard(self, p: int, at: str) -> None:
+        """Partition `p` to its successor, at a step boundary: the successor copies the
+        shard's state (events, features, sampler, node state it owns) and must hold as many
+        events; trainers then send it their requests, and the old shard goes."""
+        t0 = time.perf_counter()
+        self.drain()
+        self._flush()
+        slot, new, _ = self.shard_successors[p]
+        old = self.shards[p]
+        ray.get(new.load_state_dict.remote(old.state_dict.remote()))
+        held, had = ray.get([new.report.remote(), old.report.remote()])
+        if held["events"] != had["events"]:
+            self._drop_successor(p)
+            raise RuntimeError(f"shard {p}'s successor holds {held['events']} events, the "
+                               f"shard {had['events']}")  # fmt: skip
+        del self.shard_successors[p]
+        nodes = self._shard_nodes()
+        old_slot, self.shard_slots[p] = self.shard_slots[p], (slot, 0)
+        self.shards[p] = new
+        ray.get([t.replace_shard.remote(p, new) for t in self.trainers])
+        for _, actor, _ in self.joiners.values():  # queued behind their constructors
+            actor.replace_shard.remote(p, new)
+        self._refresh(self.num_nodes, recovering=True)
+        ray.kill(old)
+        if old_slot[0] is not self.shard_pg:  # a bundle of the shards' group stays reserved
+            remove_placement_group(old_slot[0])
+        self._wanted_moves.discard(p)
+        event = {"part": p, "from_node": nodes[p], "to_node": self._shard_nodes()[p],
+                 "events": held["events"], "at": at, "seconds": time.perf_counter() - t0,
+                 "time": time.time()}  # fmt: skip
+        self.shard_moves.append(event)
+        self._publish()
+        log.warning("shard %d moved at %s from node %s to %s (%d events); %.2f s", p, at,
+                    str(event["from_node"])[:12], str(event["to_node"])[:12], held["events"],
+                    event["seconds"])  # fmt: skip
 
     def resize(self, trainers: int, who: str = "operator") -> None:
         """Set the wanted trainer count (within [min, max] trainers) and resize at once."""
@@ -641,6 +746,7 @@ class RayGroup:
         """The membership, where operators (`tidegraph.jobs.resize`) read it."""
         self.coordinator.publish.remote({
             "trainers": self.num_trainers, "min": self.min_trainers, "max": self.max_trainers,
+            "shards": self.num_shards, "shard_moves": len(self.shard_moves),
             "target": self.target, "spares": len(self.spares), "generation": self.generation,
             "resizes": len(self.resizes),
             "last_resize": self.resizes[-1] if self.resizes else None,
@@ -874,7 +980,7 @@ class RayGroup:
                 return ray.get(refs)
             if progress is not None:
                 progress(ray.get(self.coordinator.progress.remote()))
-            if not self._stop_asked and self._plan() is not None:
+            if not self._stop_asked and any(self._plan()):
                 self._stop_asked = True
                 self.coordinator.request_stop.remote(True)
 
@@ -1064,12 +1170,15 @@ class RayGroup:
     def shutdown(self) -> None:
         """Kill this group's actors and release its placement groups (idempotent)."""
         joining = [j[1] for j in getattr(self, "joiners", {}).values()]
+        joining += [j[1] for j in getattr(self, "shard_successors", {}).values()]
         for actor in [*getattr(self, "trainers", []), *getattr(self, "shards", []), *joining]:
             ray.kill(actor)
         if getattr(self, "coordinator", None) is not None:
             ray.kill(self.coordinator)
         groups = [
             getattr(self, "shard_pg", None),
+            *(pg for pg, _ in getattr(self, "shard_slots", [])),
+            *(j[0] for j in getattr(self, "shard_successors", {}).values()),
             *getattr(self, "slots", []),
             *getattr(self, "member_slots", {}).values(),
             *getattr(self, "spares", []),
@@ -1078,5 +1187,5 @@ class RayGroup:
             with contextlib.suppress(Exception):  # removed already (a resize gave it back)
                 remove_placement_group(pg)
         self.shard_pg, self.slots, self.member_slots, self.spares = None, [], {}, []
-        self.joiners = {}
+        self.joiners, self.shard_successors = {}, {}
         self.trainers, self.shards, self.coordinator = [], [], None
