@@ -536,12 +536,13 @@ class ContinualLearner:
         self._write([*self._membership_records(), record])
 
     def _membership_records(self) -> list[dict]:
-        """The group's resizes and recoveries since the last record, as metrics.jsonl
-        records of phase "resize" / "recovery" (not in `history`: a run's results do not
-        depend on them)."""
+        """The group's resizes, recoveries and shard moves since the last record, as
+        metrics.jsonl records of phase "resize" / "recovery" / "shard_move" (not in
+        `history`: a run's results do not depend on them)."""
         out = []
-        for kind in ("resize", "recovery"):
-            events = getattr(self.group, kind + ("s" if kind == "resize" else "ies"), [])
+        for kind, name in (("resize", "resizes"), ("recovery", "recoveries"),
+                           ("shard_move", "shard_moves")):  # fmt: skip
+            events = getattr(self.group, name, [])
             seen = self._membership_seen.get(kind, 0)
             out += [{"phase": kind, **e} for e in events[seen:]]
             self._membership_seen[kind] = len(events)
