@@ -139,7 +139,7 @@ def test_n_line_increments_wait_for_their_last_line(tmp_path):
 def test_bad_rows_of_a_growing_file_carry_the_whole_files_line_numbers(tmp_path):
     path = tmp_path / "events.csv"
     good = [f"{i},{100 + i},{float(i)!r}\n" for i in range(12)]
-    bad = {3: "3,103,not-a-time\n", 7: "7,-1,7.0\n", 10: "10,110\n"}
+    bad = {3: "3,103,not-a-time\n", 7: "7,1.5,7.0\n", 10: "10,110\n"}
     lines = [bad.get(i, g) for i, g in enumerate(good)]
     lines.insert(5, "\n")  # a blank line: the loaders do not count it
     path.write_text("src,dst,t\n" + "".join(lines[:4]))

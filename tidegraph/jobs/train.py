@@ -57,6 +57,12 @@ def _parser() -> argparse.ArgumentParser:
         help="of a file: whether line 1 names the columns (default: the format's; "
         "--no-header reads a headerless --format csv file by position)",
     )
+    p.add_argument(
+        "--string-ids",
+        action="store_true",
+        default=None,
+        help="of a file: node ids are strings (mapped to dense ids; results speak them)",
+    )
     p.add_argument("--max-events", type=int, help="use only the first N events")
     p.add_argument("--increments", type=int, help="number of equal-count increments")
     p.add_argument("--replay", help="uniform or importance")
@@ -139,6 +145,7 @@ def _config(args: argparse.Namespace) -> RunConfig:
         "columns": ("data", "columns"),
         "features": ("data", "features"),
         "header": ("data", "header"),
+        "string_ids": ("data", "string_ids"),
         "max_events": ("data", "max_events"),
         "increments": ("continual", "num_increments"),
         "replay": ("continual", "replay"),
@@ -257,7 +264,7 @@ def _live_source(config: RunConfig, args):
     if args.follow_lines and Path(args.follow).is_dir():
         raise ValueError(f"--follow-lines applies to a growing file, not to the directory "
                          f"{args.follow}")  # fmt: skip
-    return open_source(args.follow, d.format, d.quarantine, args.follow_lines)
+    return open_source(args.follow, d.format, d.quarantine, args.follow_lines, d.string_ids)
 
 
 def _run(

@@ -43,7 +43,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from tidegraph.storage.features import EncodedRows, FeatureStore, _check_ids, decode
+from tidegraph.storage.features import EncodedRows, FeatureStore, decode
+from tidegraph.storage.idmap import check_ids
 
 __all__ = ["POLICIES", "CacheConfig", "CachedFeatureStore", "RecentWindowTracker"]
 
@@ -131,7 +132,7 @@ class CachedFeatureStore(FeatureStore):
     def get(self, ids: torch.Tensor) -> torch.Tensor:
         """float32 rows [len(ids), dim] on the cache's device, equal to the store's rows."""
         start = time.perf_counter()
-        ids = _check_ids(ids, "CachedFeatureStore.get").to(self.device)
+        ids = check_ids(ids, "CachedFeatureStore.get").to(self.device)
         self._sync_capacity()
         self._tick += 1
         uniq, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
@@ -145,7 +146,7 @@ class CachedFeatureStore(FeatureStore):
 
     def put(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
         """Write through to the store; cached copies are refreshed from it."""
-        ids = _check_ids(ids, "CachedFeatureStore.put")
+        ids = check_ids(ids, "CachedFeatureStore.put")
         self.store.put(ids, rows)
         self._after_write(ids)
 
@@ -158,7 +159,7 @@ class CachedFeatureStore(FeatureStore):
 
     def restore(self, ids: torch.Tensor) -> None:
         """Re-seed with the ids a round touches first (for `static`: its whole contents)."""
-        ids = _check_ids(ids, "CachedFeatureStore.restore").to(self.device)
+        ids = check_ids(ids, "CachedFeatureStore.restore").to(self.device)
         self._sync_capacity()
         self._tick += 1
         ids = ids[ids < self.store.num_rows]  # the store's default rows are never cached
@@ -180,7 +181,7 @@ class CachedFeatureStore(FeatureStore):
         if ids is None:
             self._clear()
             return
-        ids = _check_ids(ids, "CachedFeatureStore.invalidate").to(self.device)
+        ids = check_ids(ids, "CachedFeatureStore.invalidate").to(self.device)
         ids = ids[ids < self._id_to_slot.shape[0]]
         slot = self._id_to_slot[ids]
         slot = slot[slot >= 0]
@@ -190,7 +191,7 @@ class CachedFeatureStore(FeatureStore):
     def demote(self, ids: torch.Tensor) -> int:
         """Hint that `ids` will not be read again soon: cached ones are evicted first (after
         empty slots) unless read before then. Returns how many cached ids were demoted."""
-        ids = _check_ids(ids, "CachedFeatureStore.demote").to(self.device)
+        ids = check_ids(ids, "CachedFeatureStore.demote").to(self.device)
         ids = ids[ids < self._id_to_slot.shape[0]]
         slot = self._id_to_slot[ids]
         slot = slot[slot >= 0]
@@ -525,7 +526,7 @@ class RecentWindowTracker:
         self, src: torch.Tensor, dst: torch.Tensor, eid: torch.Tensor, t: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Record a batch of edges; returns the (sorted) eids that just left every window."""
-        src, dst, eid = (_check_ids(x, "RecentWindowTracker.add_edges") for x in (src, dst, eid))
+        src, dst, eid = (check_ids(x, "RecentWindowTracker.add_edges") for x in (src, dst, eid))
         src, dst, eid = (x.to(self.device) for x in (src, dst, eid))
         if t is not None:  # stable: ties keep their order
             order = torch.sort(t.to(self.device), stable=True).indices

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from tidegraph.rng import load_generator_state
+from tidegraph.storage.idmap import check_ids
 
 __all__ = [
     "PRECISIONS",
@@ -300,7 +301,7 @@ class HostFeatureStore(FeatureStore):
         return decode(self.fetch(ids))
 
     def fetch(self, ids: torch.Tensor) -> EncodedRows:
-        ids = _check_ids(ids, "HostFeatureStore.fetch").cpu()
+        ids = check_ids(ids, "HostFeatureStore.fetch").cpu()
         inside = ids < self._num_rows
         safe = torch.where(inside, ids, 0) if self._num_rows else torch.zeros_like(ids)
         data = self._gather(self._data, safe)
@@ -313,7 +314,7 @@ class HostFeatureStore(FeatureStore):
         return EncodedRows(data, scale)
 
     def put(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
-        ids = _check_ids(ids, "HostFeatureStore.put").cpu()
+        ids = check_ids(ids, "HostFeatureStore.put").cpu()
         rows = _check_rows(rows, ids, self.dim, "HostFeatureStore.put").cpu()
         if ids.numel() == 0:
             return
@@ -334,7 +335,7 @@ class HostFeatureStore(FeatureStore):
 
     def put_encoded(self, ids: torch.Tensor, rows: EncodedRows) -> None:
         """Write rows encoded elsewhere (in this store's precision) at distinct `ids`."""
-        ids = _check_ids(ids, "HostFeatureStore.put_encoded").cpu()
+        ids = check_ids(ids, "HostFeatureStore.put_encoded").cpu()
         if ids.numel() == 0:
             return
         if rows.data.dtype != self._data.dtype or len(rows) != ids.shape[0]:
@@ -433,14 +434,14 @@ class InMemoryFeatureStore(FeatureStore):
         return max(self.rows, default=-1) + 1
 
     def get(self, ids: torch.Tensor) -> torch.Tensor:
-        ids = _check_ids(ids, "InMemoryFeatureStore.get").cpu()
+        ids = check_ids(ids, "InMemoryFeatureStore.get").cpu()
         self.fetched.append(ids.clone())
         blank = torch.full((self.dim,), float(self.default))
         out = [self.rows.get(i, blank) for i in ids.tolist()]
         return torch.stack(out) if out else torch.empty((0, self.dim))
 
     def put(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
-        ids = _check_ids(ids, "InMemoryFeatureStore.put").cpu()
+        ids = check_ids(ids, "InMemoryFeatureStore.put").cpu()
         rows = _check_rows(rows, ids, self.dim, "InMemoryFeatureStore.put").cpu()
         for i, row in zip(ids.tolist(), rows.float(), strict=True):
             self.rows[i] = row.clone()
@@ -474,17 +475,6 @@ def _last_write_wins(ids: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tenso
 def _check_precision(precision: str, where: str) -> None:
     if precision not in PRECISIONS:
         raise ValueError(f"{where} must be one of {PRECISIONS}, got {precision!r}")
-
-
-def _check_ids(ids, where: str) -> torch.Tensor:
-    ids = torch.as_tensor(ids)
-    if ids.dim() != 1 or (ids.numel() and ids.is_floating_point()) or ids.dtype == torch.bool:
-        raise ValueError(f"{where}: ids must be a 1-D integer tensor, got {ids.dtype} {ids.shape}")
-    ids = ids.to(torch.int64)
-    if ids.numel() and bool((ids < 0).any()):
-        pos = int((ids < 0).nonzero()[0])
-        raise ValueError(f"{where}: id at position {pos} is negative ({int(ids[pos])})")
-    return ids
 
 
 def _check_rows(rows, ids: torch.Tensor, dim: int, where: str) -> torch.Tensor:

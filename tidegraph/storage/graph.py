@@ -24,6 +24,7 @@ import math
 import numpy as np
 import torch
 
+from tidegraph.storage.idmap import check_ids
 from tidegraph.storage.segment import Segment
 from tidegraph.storage.uva import uva_view
 
@@ -78,8 +79,9 @@ class DynamicGraph:
             eid = torch.arange(self._next_eid, self._next_eid + n, device=self.device)
         else:
             eid = _as_tensor(eid, "eid", self.device)
-        src, dst, eid = (
-            _check_ids(x, name) for x, name in ((src, "src"), (dst, "dst"), (eid, "eid"))
+        src, dst, eid = (  # shapes and negatives: checked with the batch, in one host sync
+            check_ids(x, "DynamicGraph", name=name, negative=False, one_dim=False)
+            for x, name in ((src, "src"), (dst, "dst"), (eid, "eid"))
         )
         t = t.to(torch.float64)
         if not all(x.shape == (n,) for x in (dst, t, eid)):
@@ -128,7 +130,8 @@ class DynamicGraph:
 
     def out_degree(self, nodes) -> torch.Tensor:
         """Number of stored edges of each node (reverse copies included), int64 like `nodes`."""
-        nodes = _check_ids(_as_tensor(nodes, "nodes", self.device), "nodes")
+        nodes = _as_tensor(nodes, "nodes", self.device)
+        nodes = check_ids(nodes, "DynamicGraph", name="nodes", negative=False, one_dim=False)
         deg = torch.zeros_like(nodes)
         for seg in self.segments:
             lo, hi = seg.node_ranges(nodes)
@@ -221,13 +224,6 @@ def _as_tensor(x, name: str, device: torch.device) -> torch.Tensor:
     if x.dim() != 1:
         raise ValueError(f"add_edges: {name} must be 1-D, got shape {tuple(x.shape)}")
     return x.to(device)
-
-
-def _check_ids(x: torch.Tensor, name: str) -> torch.Tensor:
-    bad_dtype = x.is_floating_point() or x.dtype == torch.bool or x.is_complex()
-    if bad_dtype and x.numel():  # an empty list arrives as float; it holds no ids to check
-        raise ValueError(f"DynamicGraph: {name} must hold integer ids, got dtype {x.dtype}")
-    return x.long()
 
 
 def _check_batch(src: torch.Tensor, dst: torch.Tensor, t: torch.Tensor, eid: torch.Tensor) -> None:

@@ -5,6 +5,9 @@ bounded by `timeout`), read with the loaders (any text format they detect, bad r
 quarantined as for a dataset, each increment sorted by time), and keep their position in
 `state_dict()`: the orchestrator checkpoints it with the run, so a resumed run continues right
 after the last increment it ingested. `open_source(path)` picks one by what `path` is.
+Ids: any int64 value, negative ones too (except in JODIE lines, whose item ids are shifted);
+the learner's id map makes them dense (`ContinualLearner.append`). String ids cannot be
+followed: an increment's events carry int64 ids.
 
 `DirectorySource(path)` hands out the files that appear in `path`, each once, in name order, a
 file per increment. A writer makes a file appear whole: it writes under a hidden name (`.name`)
@@ -67,9 +70,16 @@ _STATE = ("format", "lines", "opened", "offset", "prefix", "prefix_lines", "rows
 
 
 def open_source(
-    path: str, format: str = "auto", quarantine: str | None = None, lines: int = 0
+    path: str,
+    format: str = "auto",
+    quarantine: str | None = None,
+    lines: int = 0,
+    string_ids: bool = False,
 ) -> DirectorySource | GrowingFileSource:
     """The live source `--follow PATH` names: a directory of arriving files or a growing file."""
+    if string_ids:
+        raise ValueError("--follow: string ids (--string-ids, data.string_ids) cannot be "
+                         "followed; a live source's ids must be integers")  # fmt: skip
     if Path(path).is_dir():
         return DirectorySource(path, format, quarantine)
     if Path(path).is_file():
@@ -104,7 +114,8 @@ class DirectorySource:
             ready = self._ready()
             if ready:
                 path = ready[0]
-                events = load_events(path, self.format, sort="full", quarantine=self.quarantine)
+                events = load_events(path, self.format, sort="full", quarantine=self.quarantine,
+                                     negative_ids=True)  # fmt: skip
                 self.consumed.append(path.name)
                 return path.name, events
             if time.monotonic() >= deadline:
@@ -241,9 +252,8 @@ class GrowingFileSource:
             part.write_bytes(self.prefix + data)
             rejects = None if self.quarantine is None else Path(tmp) / "rejects.csv"
             try:
-                events = load_events(
-                    part, self.format, sort="full", quarantine=rejects, **self._options(part)
-                )
+                events = load_events(part, self.format, sort="full", quarantine=rejects,
+                                     negative_ids=True, **self._options(part))  # fmt: skip
             except LoaderError as err:  # the same error, of the followed file and its line
                 raise LoaderError(self.path, self._whole_line(err.line), err.reason) from None
             if rejects is not None and rejects.exists():

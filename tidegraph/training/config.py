@@ -42,6 +42,11 @@ class DataConfig:
     columns: dict | str | None = None
     header: bool | None = None  # of a file: whether line 1 names columns; None: the format's
     features: list | str | int | None = None  # of a file: edge-feature columns ("4-9,rating")
+    # of a file: node ids are strings (any text), mapped to dense ids like sparse int ids
+    string_ids: bool = False
+    # of a file: time order through a window of this many rows (an event may come that many
+    # rows after later ones; 0: time must not decrease); None: sort the whole file in memory
+    reorder_window: int | None = 100_000
     # edge features (files that have them): host store in this precision, device cache of
     # this fraction of the rows (pass-through on the CPU)
     feature_precision: str = "fp32"
@@ -54,6 +59,10 @@ class DataConfig:
             raise ValueError(f"data.max_events must be >= 10 or None, got {self.max_events}")
         if self.format not in FORMATS:
             raise ValueError(f"data.format must be one of {FORMATS}, got {self.format!r}")
+        if self.reorder_window is not None and self.reorder_window < 0:
+            raise ValueError(
+                f"data.reorder_window must be >= 0 or null, got {self.reorder_window}"
+            )
         parse_columns(self.columns, "data.columns")  # raises naming the field
         parse_features(self.features, "data.features")
         if self.feature_precision not in PRECISIONS:

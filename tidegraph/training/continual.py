@@ -45,8 +45,9 @@ from tidegraph.ops import resolved_slot_precision
 from tidegraph.rng import load_generator_state, seed_for
 from tidegraph.rng import stream as seed_stream
 from tidegraph.storage.events import EventBatch
+from tidegraph.storage.idmap import IdMap
 from tidegraph.training.config import RunConfig
-from tidegraph.training.data import Stream, load_stream
+from tidegraph.training.data import Stream, stream_for
 from tidegraph.training.group import LocalGroup
 from tidegraph.training.metrics import average_precision, link_metrics
 from tidegraph.training.progress import Progress
@@ -76,10 +77,9 @@ class ContinualLearner:
         self.event_log = event_log
         self.config = config
         self.device = torch.device(config.device)
-        d = config.data
-        self.stream = stream or load_stream(
-            d.dataset, d.max_events, format=d.format, quarantine=d.quarantine
-        )
+        self.stream = stream or stream_for(config.data)
+        if self.stream.idmap is None:  # a stream made without stream_of: its ids are dense
+            self.stream.idmap = IdMap(self.stream.num_nodes)
         self.events = self.stream.events
         # node tables start empty and grow with the nodes seen; the placement rule sizes node
         # state by the stream's node count
@@ -352,9 +352,13 @@ class ContinualLearner:
 
     def append(self, events: EventBatch) -> None:
         """Events that arrived on a live stream: the next increment (eids continue the
-        stream's positions)."""
+        stream's positions); their external ids, as a source or the durable log (which holds
+        external ids) gives them, become dense through the stream's id map."""
         lo = len(self.events)
         events.eid = torch.arange(lo, lo + len(events))
+        if self.stream.idmap.kind != "int":
+            raise ValueError("append: a stream of string ids cannot grow (follow int ids)")
+        events.src, events.dst = self.stream.idmap.map_events(events.src, events.dst)
         self.events = EventBatch.cat([self.events, events])
         top = int(torch.maximum(events.src.max(), events.dst.max())) + 1
         self.stream.events = self.events
@@ -407,6 +411,7 @@ class ContinualLearner:
             "forget_gen": self.forget_gen.get_state(),
             "history": [dict(r) for r in self.history],
             "slot_precision": self.slot_precision,
+            "idmap": self.stream.idmap.state_dict(),  # external -> dense node ids
             # the pass under way (not its progress bar; wall-clock stamps restart on load)
             "pass": {k: _resolved(v) for k, v in self.pass_state.items() if k != "bar"},
         }
@@ -418,6 +423,8 @@ class ContinualLearner:
         self.replay.load_state_dict(state["replay"])
         load_generator_state(self.forget_gen, state["forget_gen"], "forgetting probe")
         self.history = [dict(r) for r in state["history"]]
+        if "idmap" in state:  # the checkpoint's map, bitwise (a rebuilt stream's is the same)
+            self.stream.idmap = IdMap.from_state(state["idmap"])
         self.pass_state = dict(state.get("pass", {}))
         now = time.perf_counter()
         for key in ("t0", "t_pass", "t_train"):
@@ -460,14 +467,24 @@ class ContinualLearner:
             return
         lo = max(start, self.cursor.ingested)
         ev = self.events.select(slice(lo, end))
-        if self.event_log is not None:  # durable before any shard sees it
-            self.event_log.append(ev, lo, end)
+        if self.event_log is not None:  # durable before any shard sees it, in external ids
+            self.event_log.append(self._external(ev), lo, end)
         if len(ev):
             top = int(torch.maximum(ev.src.max(), ev.dst.max())) + 1
             self.num_nodes = max(self.num_nodes, top)
         self.group.ingest(ev, self.num_nodes, span=(lo, end))
         self.negatives.add(ev.dst)
         self.cursor.ingested = end
+
+    def _external(self, ev: EventBatch) -> EventBatch:
+        """`ev` with the stream's external int ids (string ids stay dense: the checkpoint's
+        id map names them)."""
+        idmap = self.stream.idmap
+        if idmap.kind != "int" or not idmap.mapped:
+            return ev
+        out = ev.select(slice(None))
+        out.src, out.dst = idmap.external(ev.src), idmap.external(ev.dst)
+        return out
 
     def _batches(self, start: int, end: int):
         for lo, hi in batch_bounds(start, end, self.config.train.batch_size):

@@ -1,12 +1,29 @@
 """Loading a dataset as one time-ordered `EventBatch`: the single place training reads files.
 
 `load_stream` accepts a bundled name (the registry is `tidegraph.data`: `wikipedia`, `uci`
-and their aliases such as `collegemsg`) or a path. Both go through
-`tidegraph.storage.ingest.load_events`: every format the loaders read (detected from the file),
-with their validation and error messages, quarantine of bad rows when asked, and an in-memory
-sort (the whole stream is loaded anyway); edge features come along when the format has them or
-the data section names them. `stream_for(config.data)` applies every option of a `DataConfig`.
-Nothing else in training reads files.
+and their aliases such as `collegemsg`) or a path. Both go through `tidegraph.storage.ingest`:
+every format the loaders read (detected from the file), with their validation and error
+messages, quarantine of bad rows when asked; edge features come along when the format has
+them or the data section names them. `stream_for(config.data)` applies every option of a
+`DataConfig`. Nothing else in training reads files.
+
+Streaming. A file is read a chunk at a time and only the events' arrays are kept (never the
+file's text or Arrow tables), so a run's memory is its events, graph, features and model.
+Time order comes from a bounded reorder window (`data.reorder_window`, 100k rows by default):
+an event may arrive up to that many rows after events with a later time; one later than that
+is an error naming its line (or is quarantined), and `data.reorder_window: null` sorts the
+whole file in memory instead (it then holds every row before the first event comes out).
+`max_events` N stops reading once the first N events of that time order are out: a sorted
+file is read up to about N + reorder_window rows (rows past N can still be earlier events),
+never to its end; in an unsorted file the N events are the N earliest of the window-ordered
+stream, the same prefix a whole run of the file would see first. Bundled datasets are small
+and read whole (their node count is the whole file's).
+
+Ids. Events enter a run here (and through `ContinualLearner.append`): node ids become dense
+through an `IdMap` (`tidegraph.storage.idmap`) kept with the stream as `Stream.idmap`. Dense
+data (the bundled datasets) keeps its ids bitwise; sparse, huge or negative int64 ids and,
+with `data.string_ids`, string ids are mapped in order of first appearance. The map is state:
+the learner checkpoints it.
 """
 
 from __future__ import annotations
@@ -19,21 +36,28 @@ import torch
 
 from tidegraph.data import bundled_names, bundled_path, is_bundled
 from tidegraph.storage.events import EventBatch
-from tidegraph.storage.ingest import load_events, parse_columns, parse_features
+from tidegraph.storage.idmap import IdMap
+from tidegraph.storage.ingest import load_events, open_events, parse_columns, parse_features
 
-__all__ = ["Stream", "load_stream", "stream_for", "stream_of"]
+__all__ = ["DEFAULT_REORDER_WINDOW", "Stream", "load_stream", "stream_for", "stream_of"]
 
 log = logging.getLogger(__name__)
+
+DEFAULT_REORDER_WINDOW = 100_000
 
 
 @dataclass
 class Stream:
-    """The whole stream in time order, with the node-id bound and the edge-feature width."""
+    """The whole stream in time order, with the node-id bound and the edge-feature width;
+    `idmap` turns its dense ids back into the file's; `rows_read` counts the file's rows read
+    (None for bundled data)."""
 
     events: EventBatch
     num_nodes: int
     edge_dim: int
     name: str
+    idmap: IdMap | None = None
+    rows_read: int | None = None
 
 
 def load_stream(
@@ -45,40 +69,92 @@ def load_stream(
     columns: str | dict | None = None,
     header: bool | None = None,
     features: str | list | None = None,
+    string_ids: bool = False,
+    reorder_window: int | None = DEFAULT_REORDER_WINDOW,
 ) -> Stream:
     """The stream of a bundled name or a file; the other options apply to files (the bundled
     files are read with their known layout)."""
-    num_nodes = None
     if is_bundled(dataset):
         path = bundled_path(dataset)
         log.info("bundled dataset %s: %s", dataset, path)
         given = {"format": format != "auto", "quarantine": quarantine, "columns": columns,
-                 "header": header is not None, "features": features}  # fmt: skip
+                 "header": header is not None, "features": features,
+                 "string_ids": string_ids}  # fmt: skip
         ignored = [k for k, v in given.items() if v]
         if ignored:
             log.warning("%s apply to files only: %s is read with its known layout",
                         ", ".join(ignored), dataset)  # fmt: skip
         events = load_events(path, sort="full")
         num_nodes = _num_nodes(events)  # of the whole file, as always for bundled data
+        if max_events is not None:
+            events = events.select(slice(0, max_events))
+        _require_events(events, path)
+        stream = stream_of(events, path.name, IdMap(num_nodes))  # dense: ids kept as they are
+        stream.num_nodes = num_nodes
+        return stream
+    path = _resolve(dataset)
+    options = {
+        "columns": parse_columns(columns, "data.columns"),
+        "features": parse_features(features, "data.features"),
+        "header": header,
+    }
+    if options["features"] is not None and getattr(options["columns"], "features", None):
+        raise ValueError("data.features (--features): the feature columns are named in "
+                         "data.columns (--columns) too; name them once")  # fmt: skip
+    reader = open_events(path, format, quarantine=quarantine, negative_ids=True,
+                         string_ids=string_ids, **_order(reorder_window, path),
+                         **options)  # fmt: skip
+    events = _read(reader, max_events)
+    _require_events(events, path)
+    stream = stream_of(events, path.name, reader.id_map)
+    stream.rows_read = reader.stats.rows_read
+    return stream
+
+
+def _order(window: int | None, path: Path) -> dict:
+    """Loader options for the time order `data.reorder_window` asks for (and the log line)."""
+    if window is None:
+        log.info("%s: sorted in memory by time (data.reorder_window: null holds the whole "
+                 "file before the first event)", path)  # fmt: skip
+        return {"sort": "full"}
+    if window == 0:
+        log.info("%s: time must not decrease (data.reorder_window 0)", path)
+        return {"sort": False}
+    log.info("%s: streamed in time order through a reorder window of %d rows (an event later "
+             "than that is an error, or quarantined; data.reorder_window sets it, null sorts "
+             "the whole file in memory)", path, window)  # fmt: skip
+    return {"sort": "window", "reorder_window": window}
+
+
+def _read(reader, max_events: int | None) -> EventBatch:
+    """The reader's events, stopping once `max_events` are out (the file is not read on)."""
+    batches, count = [], 0
+    for batch in reader:
+        batches.append(batch)
+        count += len(batch)
+        if max_events is not None and count >= max_events:
+            break  # closes the reader's pass: its file and quarantine are closed
+    rows = reader.stats.rows_read
+    if max_events is not None and count >= max_events:
+        log.info("%s: read %d rows for the first %d events (--max-events); the rest of the "
+                 "file is not read", reader.path, rows, max_events)  # fmt: skip
     else:
-        path = _resolve(dataset)
-        options = {
-            "columns": parse_columns(columns, "data.columns"),
-            "features": parse_features(features, "data.features"),
-            "header": header,
-        }
-        if options["features"] is not None and getattr(options["columns"], "features", None):
-            raise ValueError("data.features (--features): the feature columns are named in "
-                             "data.columns (--columns) too; name them once")  # fmt: skip
-        events = load_events(path, format, sort="full", quarantine=quarantine, **options)
-    if max_events is not None:
-        events = events.select(slice(0, max_events))
+        log.info("%s: read %d rows, %d events", reader.path, rows, count)
+    if not batches:
+        return _no_events()
+    events = batches[0] if len(batches) == 1 else EventBatch.cat(batches)
+    del batches
+    return events if max_events is None else events.select(slice(0, max_events))
+
+
+def _no_events() -> EventBatch:
+    e = torch.empty(0, dtype=torch.int64)
+    return EventBatch(src=e, dst=e.clone(), t=torch.empty(0, dtype=torch.float64), eid=e.clone())
+
+
+def _require_events(events: EventBatch, path: Path) -> None:
     if len(events) == 0:
         raise ValueError(f"data.dataset: {path} holds no valid events")
-    stream = stream_of(events, path.name)
-    if num_nodes is not None:
-        stream.num_nodes = num_nodes
-    return stream
 
 
 def stream_for(data) -> Stream:
@@ -91,16 +167,28 @@ def stream_for(data) -> Stream:
         columns=data.columns,
         header=data.header,
         features=data.features,
+        string_ids=data.string_ids,
+        reorder_window=data.reorder_window,
     )
 
 
-def stream_of(events: EventBatch, name: str) -> Stream:
+def stream_of(events: EventBatch, name: str, idmap: IdMap | None = None) -> Stream:
     """`events` (time-ordered, not empty) as a stream: eids become their positions, the rows
-    of the stream and of its edge-feature store."""
+    of the stream and of its edge-feature store. `idmap`: the map the events' ids already come
+    from; None: a new map (`IdMap.for_ids`) makes their ids dense (dense ids stay as they are)."""
     events.eid = torch.arange(len(events))
+    if idmap is None:
+        idmap = IdMap.for_ids(torch.stack([events.src, events.dst]))
+        events.src, events.dst = idmap.map_events(events.src, events.dst)
     feat = events.edge_feat
     edge_dim = 0 if feat is None else int(feat.shape[1])
-    return Stream(events=events, num_nodes=_num_nodes(events), edge_dim=edge_dim, name=name)
+    stream = Stream(events=events, num_nodes=_num_nodes(events), edge_dim=edge_dim, name=name,
+                    idmap=idmap)  # fmt: skip
+    if idmap.mapped:
+        log.info("%s: %d nodes; ids below %d kept as they are, %d others mapped to dense ids "
+                 "in order of first appearance", name, stream.num_nodes, idmap.identity_bound,
+                 idmap.mapped)  # fmt: skip
+    return stream
 
 
 def _num_nodes(events: EventBatch) -> int:

@@ -49,6 +49,8 @@ class ColumnMap:
     time: Column = "time"
     label: Column | None = None
     features: tuple[Column, ...] | Column | None = None
+    negative_ids: bool = False
+    string_ids: bool = False
 
     def __post_init__(self) -> None:
         for name in ("src", "dst", "time", "label"):
@@ -159,6 +161,12 @@ class LoaderConfig:
     header: whether line 1 names the columns; None = the format's default (CSV, TGL and JODIE
           have one, refused when line 1 is all numbers; SNAP has none). False reads a CSV or
           JODIE file without one (columns by 0-based position); True forces one.
+    negative_ids: negative ids are valid (for a caller that maps ids to dense ones, as
+          training does); JODIE files still refuse them (their item ids are shifted by the
+          user count, so a negative item id would alias another node).
+    string_ids: ids are strings (any non-empty text); the reader codes them with its
+          `id_map` (`tidegraph.storage.idmap.IdMap` of strings), which batches then speak:
+          dense ids in order of first appearance in the time-ordered stream. Not for JODIE.
     """
 
     format: str = "auto"
@@ -173,6 +181,8 @@ class LoaderConfig:
     delimiter: str | None = None
     header: bool | None = None
     features: tuple[Column, ...] | Column | None = None
+    negative_ids: bool = False
+    string_ids: bool = False
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
@@ -192,6 +202,10 @@ class LoaderConfig:
                 raise ValueError(
                     "LoaderConfig.features: feature columns are already named in columns.features"
                 )
+        for name in ("negative_ids", "string_ids"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"LoaderConfig.{name} must be true or false, "
+                                 f"got {getattr(self, name)!r}")  # fmt: skip
         if self.delimiter is not None and len(self.delimiter) != 1:
             raise ValueError(
                 f"LoaderConfig.delimiter must be one character, got {self.delimiter!r}"

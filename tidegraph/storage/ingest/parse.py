@@ -8,7 +8,10 @@ by row, with vectorized regular expressions. Feature columns that are already fl
 nulls are stacked as they are: no value of theirs can fail a check.
 
 Assumptions:
-- Ids are integers >= 0; a value such as "3.0" or "1e3" that is integral is accepted as an id.
+- Ids are integers >= 0 (any int64 with `IdRules.negative`, which the training path sets: an
+  id map makes them dense); a value such as "3.0" or "1e3" that is integral is accepted as an
+  id. With `IdRules.text_ids` (string ids) an id is any non-empty text, trimmed, and becomes
+  the code a reader's `IdMap` of strings gives it (rejected rows get none).
 - Time must be a finite number; labels must be numbers; features must be finite numbers
   (a NaN or infinite feature fails its row: the model cannot train on it).
 - The first failed check of a row is its reason; a row has one reason.
@@ -96,6 +99,8 @@ class IdRules:
     src_bound: int | None = None
     node_bound: int | None = None
     src_bound_name: str = "num_users"
+    negative: bool = False  # negative ids are valid (external ids an id map makes dense)
+    text_ids: object = None  # an IdMap of strings: ids are text, coded by it
 
 
 @dataclass
@@ -132,8 +137,12 @@ def parse_chunk(chunk: RawChunk, rules: IdRules, feature_dim: int | None) -> tup
     n = len(chunk.lines)
     checks = _Checks(n)
     cols, names = chunk.columns, chunk.names
-    src = _parse_id(cols["src"], names["src"], checks)
-    dst = _parse_id(cols["dst"], names["dst"], checks)
+    if rules.text_ids is not None:
+        text = [_text_id(cols[k], names[k], checks) for k in ("src", "dst")]
+        src = dst = np.zeros(n, dtype=np.int64)  # coded below, for the rows kept
+    else:
+        src = _parse_id(cols["src"], names["src"], checks, rules.negative)
+        dst = _parse_id(cols["dst"], names["dst"], checks, rules.negative)
     t = _parse_time(cols["time"], names["time"], checks)
     label = None
     if "label" in cols:
@@ -152,6 +161,10 @@ def parse_chunk(chunk: RawChunk, rules: IdRules, feature_dim: int | None) -> tup
         _check_finite(feat, feature_names, checks)
     dst = _apply_rules(src, dst, rules, checks)
     keep = np.flatnonzero(~checks.bad)
+    if rules.text_ids is not None:
+        picked = [a.take(pa.array(keep)) for a in text]
+        src, dst = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
+        src[keep], dst[keep] = rules.text_ids.map_text_events(*picked)
     rows = Rows(src=src, dst=dst, t=t, lines=chunk.lines, label=label).take(keep)
     if feat is not None:  # always a fresh array: copied only when rows were rejected
         rows.feat = feat if keep.size == n else feat[keep]
@@ -177,14 +190,28 @@ def values_at(array: pa.Array, index: np.ndarray) -> list:
     return array.take(pa.array(index)).to_pylist()
 
 
-def _parse_id(array: pa.Array, name: str, checks: _Checks) -> np.ndarray:
-    """Parse ids to int64; non-numeric, non-integer, out-of-int64 and negative ids fail."""
+def _parse_id(array: pa.Array, name: str, checks: _Checks, negative: bool) -> np.ndarray:
+    """Parse ids to int64; non-numeric, non-integer and out-of-int64 ids fail, and negative ids
+    unless `negative`."""
     if pa.types.is_integer(array.type):
         values = _integer_ids(array, name, checks)
     else:
         values = _parse_id_slow(array, name, checks)
-    checks.fail(values < 0, lambda i: [f"negative id: {v} in column '{name}'" for v in values[i]])
+    if not negative:
+        checks.fail(
+            values < 0, lambda i: [f"negative id: {v} in column '{name}'" for v in values[i]]
+        )
     return values
+
+
+def _text_id(array: pa.Array, name: str, checks: _Checks) -> pa.Array:
+    """String ids, trimmed; a null or empty one fails its row (read as "")."""
+    if not _is_text(array):
+        array = pc.cast(array, pa.string())
+    text = pc.fill_null(pc.utf8_trim_whitespace(array), "")
+    empty = pc.equal(pc.utf8_length(text), 0).to_numpy(zero_copy_only=False)
+    checks.fail(empty, lambda i: [f"missing id: empty in column '{name}'"] * len(i))
+    return text
 
 
 def _integer_ids(array: pa.Array, name: str, checks: _Checks) -> np.ndarray:

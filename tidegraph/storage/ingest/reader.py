@@ -46,6 +46,7 @@ import pyarrow.csv as pacsv
 import torch
 
 from tidegraph.storage.events import EventBatch
+from tidegraph.storage.idmap import IdMap
 from tidegraph.storage.ingest.config import LoaderConfig, LoaderError
 from tidegraph.storage.ingest.order import FullSorter, Reorderer
 from tidegraph.storage.ingest.parse import IdRules, RawChunk, Rejects, Rows, parse_chunk
@@ -81,9 +82,12 @@ class LoadStats:
 class EventReader:
     """An iterable over the time-ordered event batches of one file (one pass per iteration)."""
 
-    def __init__(self, path: str | Path, config: LoaderConfig) -> None:
+    def __init__(self, path: str | Path, config: LoaderConfig, id_map: IdMap | None = None) -> None:
+        """`id_map`: with `config.string_ids`, the map of strings the batches' ids come from
+        (None: a new one, `self.id_map`); it grows with every pass."""
         self.path = Path(path)
         self.config = config
+        self.id_map = (id_map or IdMap(kind="str")) if config.string_ids else None
         if not self.path.exists():
             raise LoaderError(self.path, None, "no such file or directory")
         self.format = config.format if config.format != "auto" else detect_format(self.path)
@@ -110,8 +114,12 @@ class EventReader:
             )
 
     def _make_source(self) -> tuple[Source, IdRules]:
-        cfg, fmt, rules = self.config, self.format, IdRules(node_bound=self.config.num_nodes)
+        cfg, fmt = self.config, self.format
+        rules = IdRules(node_bound=cfg.num_nodes, negative=cfg.negative_ids)
         if fmt == "jodie":
+            if cfg.string_ids:
+                reason = "string ids do not apply to format 'jodie' (its item ids are shifted "
+                raise LoaderError(self.path, None, reason + "by the user count)")
             for name in ("columns", "features"):
                 if getattr(cfg, name) is not None:
                     reason = (
@@ -141,6 +149,9 @@ class EventReader:
         window = self.config.window
         order = FullSorter() if window is None else Reorderer(window)
         out = _Batcher(self.config.chunk_rows, self.stats)
+        if self.id_map is not None:  # file-order codes per pass, stream-order ids per batch
+            self._rules.text_ids = out.codes = IdMap(kind="str")
+            out.id_map = self.id_map
         with _Quarantine(self.config.quarantine) as quarantine:
             for chunk in _readable(self._source):
                 self.stats.rows_read += len(chunk.lines) + _count(chunk.rejects)
@@ -165,10 +176,11 @@ class EventReader:
             f"{kind}: time {t:g} is earlier than {b:g}, seen before ({hint})"
             for t, b in zip(rows.t[late].tolist(), bound.tolist(), strict=True)
         ]
-        texts = [
-            f"{s},{d},{t!r}"
-            for s, d, t in zip(rows.src[late], rows.dst[late], rows.t[late].tolist(), strict=True)
-        ]
+        src, dst = rows.src[late], rows.dst[late]
+        codes = self._rules.text_ids
+        if codes is not None:  # string ids: their text, not the pass's codes
+            src, dst = codes.text(src).to_pylist(), codes.text(dst).to_pylist()
+        texts = [f"{s},{d},{t!r}" for s, d, t in zip(src, dst, rows.t[late].tolist(), strict=True)]
         return Rejects(rows.lines[late], reasons, texts)
 
     def _reject(self, rejects: Rejects, quarantine: _Quarantine) -> None:
@@ -204,6 +216,8 @@ class _Batcher:
         self._parts: list[Rows] = []  # joined only once they fill a batch: rows copy once
         self._count = 0
         self._eid = 0
+        self.codes: IdMap | None = None  # string ids: the pass's codes of the parsed rows ...
+        self.id_map: IdMap | None = None  # ... and the map the batches' ids come from
 
     def push(self, rows: Rows | None, last: bool = False) -> Iterator[EventBatch]:
         if rows is not None and len(rows):
@@ -219,6 +233,9 @@ class _Batcher:
         self._count = len(rows) - full
 
     def _batch(self, rows: Rows) -> EventBatch:
+        if self.codes is not None:  # dense ids in order of first appearance in the stream
+            text = (self.codes.text(rows.src), self.codes.text(rows.dst))
+            rows.src, rows.dst = self.id_map.map_text_events(*text)
         batch = _to_batch(rows, self._eid)
         self._eid += len(rows)
         self.stats.rows_yielded += len(rows)
@@ -289,9 +306,15 @@ class _Quarantine:
 
 
 def open_events(
-    path: str | Path, format: str = "auto", *, config: LoaderConfig | None = None, **options
+    path: str | Path,
+    format: str = "auto",
+    *,
+    config: LoaderConfig | None = None,
+    id_map: IdMap | None = None,
+    **options,
 ) -> EventReader:
-    """An `EventReader` over `path`; `options` are `LoaderConfig` fields (they override `config`).
+    """An `EventReader` over `path`; `options` are `LoaderConfig` fields (they override `config`);
+    `id_map`: the map of string ids to extend (with `string_ids`).
 
     Example: open_events(p, columns=ColumnMap(src="u", dst="i", time="ts"), sort=True).
     """
@@ -300,14 +323,19 @@ def open_events(
     else:
         fmt = {"format": format} if format != "auto" else {}
         config = dataclasses.replace(config, **fmt, **options)
-    return EventReader(path, config)
+    return EventReader(path, config, id_map)
 
 
 def load_events(
-    path: str | Path, format: str = "auto", *, config: LoaderConfig | None = None, **options
+    path: str | Path,
+    format: str = "auto",
+    *,
+    config: LoaderConfig | None = None,
+    id_map: IdMap | None = None,
+    **options,
 ) -> EventBatch:
     """All events of `path` as one `EventBatch` (same options as `open_events`)."""
-    reader = open_events(path, format, config=config, **options)
+    reader = open_events(path, format, config=config, id_map=id_map, **options)
     batches = list(reader)
     if not batches:
         return _to_batch(_empty_rows(), 0)
