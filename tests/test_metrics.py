@@ -79,9 +79,37 @@ def test_prometheus_scrapes_the_run_metrics(finished_run, tmp_path):
         assert {r["metric"]["phase"] for r in phases} >= {"sample", "compute", "allreduce"}
         sent = float(query(web, "tidegraph_allreduce_bytes_total")[0]["value"][1])
         assert sent > 0
+        assert float(query(web, "tidegraph_trainers")[0]["value"][1]) == 2
+        assert float(query(web, "tidegraph_recoveries_total")[0]["value"][1]) == 0
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_resizes_and_recoveries_are_counted_once_each():
+    """A scripted group whose membership changes between two records: each resize is
+    counted once, by direction, and so is each recovery (from the groups' event lists)."""
+    from types import SimpleNamespace
+
+    group = SimpleNamespace(num_trainers=2, resizes=[], recoveries=[], alive=lambda: (2, 1))
+    learner = SimpleNamespace(group=group, ingested=0, cursor=SimpleNamespace(step=0))
+    metrics = RunMetrics(0)
+    try:
+        group.resizes.append({"from": 2, "to": 1})
+        metrics.observe(learner, {}, [], 0)
+        group.resizes += [{"from": 1, "to": 3}, {"from": 3, "to": 2}]
+        group.recoveries.append({"lost": [1]})
+        group.num_trainers = 2
+        metrics.observe(learner, {}, [], 0)
+        url = f"http://127.0.0.1:{metrics.port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as r:
+            text = r.read().decode()
+    finally:
+        metrics.close()
+    assert 'tidegraph_resizes_total{direction="grow"} 1.0' in text
+    assert 'tidegraph_resizes_total{direction="shrink"} 2.0' in text
+    assert "tidegraph_recoveries_total 1.0" in text
+    assert "tidegraph_trainers 2.0" in text
 
 
 def test_closing_the_metrics_server_frees_its_port():
