@@ -21,9 +21,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tidegraph.ops import gather_rows
 from tidegraph.storage.events import EventBatch
 
-__all__ = ["LinkPredictor", "TemporalModel"]
+__all__ = ["LinkPredictor", "TemporalModel", "first_block", "link_roots"]
 
 
 class LinkPredictor(nn.Module):
@@ -60,6 +61,9 @@ class TemporalModel(nn.Module):
 
     num_layers: int = 1
     uses_snapshots: bool = False
+    # `embed` is a function of each root's (node, time) and its blocks alone, so a sampler may
+    # hand it each distinct (node, time) root once (`Block.root_index`, see `score`)
+    root_dedup: bool = False
     # node state held elsewhere (sharded placement): `grow` leaves state tables alone and a
     # trainer installs the rows each step reads with `load_compact_state`
     external_state: bool = False
@@ -82,11 +86,17 @@ class TemporalModel(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits of the true pairs [B] and of (src, negative) pairs [B, Q].
 
-        `blocks` were sampled for roots cat(src, dst, neg_BQ.flatten()) at times t, t, t...
+        `blocks` were sampled for roots cat(src, dst, neg_BQ.flatten()) at times t, t, t...,
+        or for their distinct (node, time) pairs: then the first block's `root_index` maps
+        each root to its row, and each pair is embedded once and gathered back (the same
+        embeddings; the gradient of the gather sums the duplicates' rows first).
         """
         b, q = neg_BQ.shape
-        roots, ts = link_roots(src, dst, neg_BQ, t)
-        z = self.embed(roots, ts, blocks)
+        first = first_block(blocks)
+        if first is None or first.root_index is None:
+            z = self.embed(*link_roots(src, dst, neg_BQ, t), blocks)
+        else:
+            z = gather_rows(self.embed(first.dst_ids, first.dst_ts, blocks), first.root_index)
         z_src, z_dst, z_neg = z[:b], z[b : 2 * b], z[2 * b :].view(b, q, -1)
         return self.predictor.pairs(z_src, z_dst, z_neg)
 
@@ -143,6 +153,13 @@ class TemporalModel(nn.Module):
 
     def load_node_state(self, state: dict) -> None:
         """Restore what `node_state` returned."""
+
+
+def first_block(blocks: list):
+    """The first hop's block (of the newest window, with snapshots), or None (no blocks)."""
+    if not blocks:
+        return None
+    return blocks[0][0] if isinstance(blocks[0], list) else blocks[0]
 
 
 def link_roots(

@@ -23,6 +23,7 @@ __all__ = ["DySAT"]
 
 
 class DySAT(TemporalModel):
+    root_dedup = True  # embeddings depend on (node, time) and blocks alone
     uses_snapshots = True
 
     def __init__(

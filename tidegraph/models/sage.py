@@ -16,6 +16,8 @@ __all__ = ["GraphSAGE"]
 
 
 class GraphSAGE(TemporalModel):
+    root_dedup = True  # embeddings depend on (node, time) and blocks alone
+
     def __init__(
         self,
         num_nodes: int,

@@ -24,6 +24,8 @@ __all__ = ["TGAT"]
 
 
 class TGAT(TemporalModel):
+    root_dedup = True  # embeddings depend on (node, time) and blocks alone
+
     def __init__(
         self,
         num_nodes: int,

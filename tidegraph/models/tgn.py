@@ -101,6 +101,8 @@ class MemoryModel(TemporalModel):
 
 
 class TGN(MemoryModel):
+    root_dedup = True  # embeddings depend on (node, time) and blocks alone
+
     def __init__(
         self,
         num_nodes: int,

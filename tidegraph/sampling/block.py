@@ -9,7 +9,10 @@ edges before the model runs, so models never read a store.
 
 The next hop's roots are this hop's roots followed by its valid neighbours (`next_roots`). A
 sampler that deduplicates them sets `next_index`: row i of that list is row `next_index[i]` of
-the next block, whose roots are the distinct (node, time) pairs.
+the next block, whose roots are the distinct (node, time) pairs. Likewise a first block sampled
+for the distinct (node, time) pairs of a batch's roots carries `root_index`: root i of the
+list the caller gave is row `root_index[i]` of the block (models embed each row once and
+gather the embeddings back, `TemporalModel.score`).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ class Block:
     dt: torch.Tensor  # float32 [R, K] = dst_ts - nbr_ts
     mask: torch.Tensor  # bool [R, K]
     next_index: torch.Tensor | None = None  # int64 [R + V]: next_roots() row -> next block row
+    root_index: torch.Tensor | None = None  # int64 [R0]: the caller's root -> this block's row
     # features of the valid slots' edges [V, De], joined by a fetch stage after sampling
     # (`tidegraph.training.fetch`); None when the stream has no edge features
     edge_feat: torch.Tensor | None = None

@@ -8,6 +8,15 @@ groups the roots by owner, makes one batched request per shard, and scatters the
 into one block in root order. A root's edges all live on its owner (each event is stored at
 the owners of both endpoints), so the merged block equals what one graph holding every edge
 returns (for `recent`; `uniform` draws from each shard's own generator).
+
+Two options change what the hop loop asks, never what a shard answers:
+- `t_cap` (the `sampler.history: batch` protocol, PyG's TGN): every root sees only edges
+  strictly before min(its time, t_cap), with t_cap the start of its batch, so no event sees an
+  earlier event of its own batch; shards are asked with the capped times and the blocks keep
+  each root's own time (and `dt` from it). Next-hop roots are older than t_cap already.
+- `dedup_roots` (a ratio): when at most that share of the first hop's (node, time) roots are
+  distinct, each distinct root is sampled (and embedded) once; the first block's
+  `root_index` maps the given roots onto its rows (`Block.root_index`).
 """
 
 from __future__ import annotations
@@ -31,22 +40,38 @@ def sample_hops(
     num_snapshots: int = 1,
     snapshot_window: float = 0.0,
     dedup: bool = False,
+    t_cap: float | None = None,
+    dedup_roots: float | None = None,
 ) -> list[Block] | list[list[Block]]:
-    """Blocks for hops 1..L; with snapshots, one list of blocks per window, newest first."""
+    """Blocks for hops 1..L; with snapshots, one list of blocks per window, newest first.
+    `t_cap` and `dedup_roots`: see the module docstring."""
     ts = ts.to(torch.float64)
+    index = None
+    if dedup_roots is not None and fanouts and roots.numel():
+        u_roots, u_ts, _, inverse = distinct_roots(roots, ts, None)
+        if u_roots.shape[0] <= dedup_roots * roots.shape[0]:
+            roots, ts, index = u_roots, u_ts, inverse
     if num_snapshots == 1 and snapshot_window == 0.0:
-        return _hops(hop, roots, ts, None, fanouts, dedup)
-    w = snapshot_window
-    return [
-        _hops(hop, roots, ts - i * w, ts - (i + 1) * w, fanouts, dedup)
-        for i in range(num_snapshots)
-    ]
+        windows = [_hops(hop, roots, ts, None, fanouts, dedup, t_cap)]
+    else:
+        w = snapshot_window
+        windows = [
+            _hops(hop, roots, ts - i * w, ts - (i + 1) * w, fanouts, dedup, t_cap)
+            for i in range(num_snapshots)
+        ]
+    if index is not None:
+        for blocks in windows:
+            blocks[0].root_index = index
+    return windows[0] if num_snapshots == 1 and snapshot_window == 0.0 else windows
 
 
-def _hops(hop, roots, t_hi, t_lo, fanouts, dedup) -> list[Block]:
+def _hops(hop, roots, t_hi, t_lo, fanouts, dedup, t_cap=None) -> list[Block]:
     blocks = []
     for i, k in enumerate(fanouts):
-        block = hop(roots, t_hi, k, t_lo)
+        if t_cap is None:
+            block = hop(roots, t_hi, k, t_lo)
+        else:
+            block = _own_times(hop(roots, t_hi.clamp(max=t_cap), k, t_lo), t_hi)
         blocks.append(block)
         if i + 1 < len(fanouts):
             roots, t_hi = block.next_roots()
@@ -55,6 +80,17 @@ def _hops(hop, roots, t_hi, t_lo, fanouts, dedup) -> list[Block]:
             if dedup:
                 roots, t_hi, t_lo, block.next_index = distinct_roots(roots, t_hi, t_lo)
     return blocks
+
+
+def _own_times(block: Block, t_hi: torch.Tensor) -> Block:
+    """`block`, sampled at capped times, with the roots' own times `t_hi` (and `dt` from
+    them): the cap limits which edges are seen, not the time a root is embedded at."""
+    t_hi = t_hi.to(block.dst_ts.device)
+    mask = block.mask
+    block.dst_ts = t_hi
+    block.nbr_ts = torch.where(mask, block.nbr_ts, t_hi.unsqueeze(1))
+    block.dt = torch.where(mask, t_hi.unsqueeze(1) - block.nbr_ts, 0).float()
+    return block
 
 
 def distinct_roots(
@@ -120,13 +156,12 @@ class MultiHopSampler:
         self.dedup = dedup
         self.requests = 0  # batched hop requests sent to shards (one per shard per hop)
 
-    def sample(self, roots: torch.Tensor, ts: torch.Tensor) -> list[Block] | list[list[Block]]:
+    def sample(self, roots: torch.Tensor, ts: torch.Tensor, **options) -> list:
+        """Blocks per hop (per window); `options`: `t_cap`, `dedup_roots` (module docstring)."""
         if roots.dtype != torch.int64 or roots.dim() != 1 or ts.shape != roots.shape:
             raise ValueError("MultiHopSampler.sample: roots must be int64 [R] and ts [R]")
-        return sample_hops(
-            self._hop, roots, ts, self.fanouts, self.num_snapshots, self.snapshot_window,
-            self.dedup,
-        )  # fmt: skip
+        return sample_hops(self._hop, roots, ts, self.fanouts, self.num_snapshots,
+                           self.snapshot_window, self.dedup, **options)  # fmt: skip
 
     def _hop(self, roots, t_hi, k, t_lo) -> Block:
         if len(self.shards) == 1:

@@ -87,12 +87,21 @@ class TemporalSampler:
 
     # ---- public ---------------------------------------------------------------------------
 
-    def sample(self, roots: torch.Tensor, ts: torch.Tensor) -> list[Block] | list[list[Block]]:
-        """Blocks for hops 1..L; with snapshots, one list of blocks per window, newest first."""
+    def sample(
+        self,
+        roots: torch.Tensor,
+        ts: torch.Tensor,
+        t_cap: float | None = None,
+        dedup_roots: float | None = None,
+    ) -> list[Block] | list[list[Block]]:
+        """Blocks for hops 1..L; with snapshots, one list of blocks per window, newest first.
+        `t_cap`: roots see only edges before min(own time, t_cap) (a batch's start, PyG's
+        protocol); `dedup_roots`: sample each distinct (node, time) root once when at most
+        that share of roots are distinct (`tidegraph.sampling.multihop`)."""
         self._check_roots(roots, ts)
         return sample_hops(
             self.sample_hop, roots, ts, self.fanouts, self.num_snapshots, self.snapshot_window,
-            self.dedup,
+            self.dedup, t_cap, dedup_roots,
         )  # fmt: skip
 
     def state_dict(self) -> dict:

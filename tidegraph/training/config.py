@@ -60,9 +60,7 @@ class DataConfig:
         if self.format not in FORMATS:
             raise ValueError(f"data.format must be one of {FORMATS}, got {self.format!r}")
         if self.reorder_window is not None and self.reorder_window < 0:
-            raise ValueError(
-                f"data.reorder_window must be >= 0 or null, got {self.reorder_window}"
-            )
+            raise ValueError(f"data.reorder_window must be >= 0 or null, got {self.reorder_window}")
         parse_columns(self.columns, "data.columns")  # raises naming the field
         parse_features(self.features, "data.features")
         if self.feature_precision not in PRECISIONS:
@@ -90,9 +88,23 @@ class SamplerConfig:
     # hops after the first sample each distinct (node, time) root once (TGL's dedup; exact
     # for "recent", shared draws among identical roots for "uniform")
     dedup: bool = True
+    # which earlier events a batch's events see: "event" (TGL's convention), every event
+    # strictly before its own time, earlier events of its own batch included; "batch" (PyG's
+    # TGN), only events before the batch's start (with W > 1 trainers: each trainer's slice)
+    history: str = "event"
+    # embed each distinct (node, time) root of a batch once and gather back (same embeddings):
+    # "auto" when at most 3/4 of the roots are distinct (and the strategy is "recent": with
+    # "uniform", identical roots would share draws), "always", or "never"
+    root_dedup: str = "auto"
 
     def __post_init__(self) -> None:
         check_fields(self, "sampler")
+        if self.history not in ("event", "batch"):
+            raise ValueError(f"sampler.history must be 'event' or 'batch', got {self.history!r}")
+        if self.root_dedup not in ("auto", "always", "never"):
+            raise ValueError(
+                f"sampler.root_dedup must be 'auto', 'always' or 'never', got {self.root_dedup!r}"
+            )
         if self.strategy not in ("recent", "uniform"):
             raise ValueError(
                 f"sampler.strategy must be 'recent' or 'uniform', got {self.strategy!r}"

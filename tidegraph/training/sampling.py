@@ -1,4 +1,5 @@
-"""Negative destinations and replay selection, each with its own seeded generator.
+"""Negative destinations, replay selection (each with its own seeded generator), and the
+options of a trainer's neighbour requests.
 
 Generators live on the host so draws are identical on CPU and CUDA runs; results are moved to
 the training device by the caller.
@@ -21,7 +22,13 @@ import torch
 from tidegraph.rng import load_generator_state
 from tidegraph.storage.events import EventBatch
 
-__all__ = ["ImportanceReplay", "NegativeSampler", "UniformReplay", "build_replay"]
+__all__ = [
+    "ImportanceReplay",
+    "NegativeSampler",
+    "UniformReplay",
+    "build_replay",
+    "sample_options",
+]
 
 
 class NegativeSampler:
@@ -112,3 +119,17 @@ def build_replay(kind: str, seed: int, floor: float = 0.1) -> UniformReplay:
     if kind == "importance":
         return ImportanceReplay(seed, floor)
     raise ValueError(f"continual.replay must be 'uniform' or 'importance', got {kind!r}")
+
+
+def sample_options(config, model, t_new: torch.Tensor | None) -> dict:
+    """`t_cap` and `dedup_roots` of a trainer's `sample` request, from `config` (a
+    `SamplerConfig`): with `history: batch` roots see only edges before the earliest of the
+    batch's new events (`t_new`; none new, as in a slice of replayed events alone: their own
+    times); `root_dedup` applies to models whose embeddings allow it (`root_dedup`)."""
+    dedup = {"always": 1.0, "never": None}.get(config.root_dedup, 0.75)
+    if not model.root_dedup or (config.root_dedup == "auto" and config.strategy != "recent"):
+        dedup = None
+    cap = None
+    if config.history == "batch" and t_new is not None and t_new.numel():
+        cap = float(t_new.min())
+    return {"t_cap": cap, "dedup_roots": dedup}

@@ -29,6 +29,7 @@ from tidegraph.storage.cache import CachedFeatureStore
 from tidegraph.storage.events import EventBatch
 from tidegraph.training.fetch import flat_blocks, join_edge_features
 from tidegraph.training.optim import FlatAdam
+from tidegraph.training.sampling import sample_options
 
 __all__ = ["SliceResult", "TrainerCore"]
 
@@ -112,10 +113,20 @@ class TrainerCore:
 
     # ---- one step ---------------------------------------------------------------------------
 
-    def _forward(self, ev: EventBatch, neg_BQ: torch.Tensor, observe: EventBatch | None = None):
+    def _forward(
+        self,
+        ev: EventBatch,
+        neg_BQ: torch.Tensor,
+        observe: EventBatch | None = None,
+        t_new: torch.Tensor | None = None,
+    ):
+        """`t_new`: times of the batch's new events (`sampler.history: batch` sees only what
+        precedes them)."""
         t0 = time.perf_counter()
         roots, ts = link_roots(ev.src, ev.dst, neg_BQ, ev.t)
-        blocks = self.sampler.sample(roots, ts)
+        blocks = self.sampler.sample(
+            roots, ts, **sample_options(self.config.sampler, self.model, t_new)
+        )
         self._sampled_edges = sum(int(b.mask.sum()) for b in flat_blocks(blocks))
         blocks = _blocks_to(blocks, self.device)
         t1 = time.perf_counter()
@@ -146,7 +157,7 @@ class TrainerCore:
         if not self.model.training:  # Module.train() walks every submodule: once per pass
             self.model.train()
         observe = ev.select(slice(0, num_observe)) if num_observe else None
-        (pos, negl), observe = self._forward(ev, neg_BQ, observe)
+        (pos, negl), observe = self._forward(ev, neg_BQ, observe, ev.t[:num_observe])
         self.step_edges.append(self._sampled_edges)
         loss_e = F.binary_cross_entropy_with_logits(pos, torch.ones_like(pos), reduction="none")
         loss_e = loss_e + F.binary_cross_entropy_with_logits(
@@ -255,7 +266,7 @@ class TrainerCore:
         pos_parts, neg_parts = [], []
         for start in range(0, len(ev), step):
             part = ev.select(slice(start, start + step))
-            (pos, negl), _ = self._forward(part, neg_BQ[start : start + step])
+            (pos, negl), _ = self._forward(part, neg_BQ[start : start + step], None, ev.t)
             pos_parts.append(pos.float().cpu())
             neg_parts.append(negl.float().cpu())
             if observe:
