@@ -158,3 +158,17 @@ def test_a_shard_moved_mid_run_changes_nothing(ray_session, wiki, fixed, quick_p
     assert got["shard_moves"][0]["events"] > 0  # checked equal to the old shard's at the move
     assert got["resizes"] == [] and got["recoveries"] == []
     assert_same_run(got, fixed)
+
+
+def test_rapid_resize_requests_leave_a_consistent_group(ray_session, wiki, fixed, quick_polls):
+    """Operators change their mind faster than trainers start: 1, 2, 1, 2, 1, 2 trainers a
+    few steps apart. Trainers starting for a count no longer wanted are dropped; every resize
+    starts from the size the last one left, and the run ends as the fixed-size run."""
+    got = run(config({"min": 1, "max": 2}), wiki, wants(1, 2, 1, 2, 1, 2, every=0.02),
+              join_s=120)  # fmt: skip
+    sizes = [(r["from"], r["to"]) for r in got["resizes"]]
+    assert sizes and sizes[0] == (2, 1)
+    assert all(a[1] == b[0] for a, b in zip(sizes, sizes[1:], strict=False))
+    assert got["recoveries"] == []
+    assert len(set(got["trainer_steps"])) == 1  # every member ends at the same step
+    assert_close_run(got, fixed)
