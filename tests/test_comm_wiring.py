@@ -222,3 +222,32 @@ def test_ray_q8_replicas_agree_match_the_local_group_and_send_a_quarter(ray_sess
     increments = lambda h: [r["ap"] for r in h if r["phase"] == "increment"]  # noqa: E731
     for a, b in zip(increments(plain[1]), increments(local[1]), strict=True):
         assert abs(a - b) < 0.02
+
+
+def test_prometheus_allreduce_bytes_count_what_compression_sent(wiki):
+    """`tidegraph_allreduce_bytes_total` is trainer 0's bytes on the wire when gradients are
+    compressed (not the fp32 estimate), and the fp32 ring estimate without compression."""
+    from tidegraph.orchestrator import Orchestrator, RunState
+    from tidegraph.orchestrator.metrics import RunMetrics
+
+    sent = {}
+    for name, comm in (("q8", Q8), ("none", {})):
+        metrics = RunMetrics(0)
+        try:
+            set_determinism(7, threads=1)
+            orchestrator = Orchestrator(config(**comm), wiki, metrics=metrics)
+            while orchestrator.step() not in (RunState.FINISHED, RunState.ERRORED):
+                pass
+            assert orchestrator.state is RunState.FINISHED, orchestrator.error
+            group = orchestrator.learner.group
+            sent[name] = metrics.registry.get_sample_value("tidegraph_allreduce_bytes_total")
+            totals = group.comm_totals()
+            if name == "q8":
+                assert totals is not None and sent[name] == totals["bytes_sent"]
+            else:
+                assert totals is None
+                steps = orchestrator.learner.cursor.step
+                assert sent[name] == steps * group.grad_values() * 4 * 2 * (2 - 1) / 2
+        finally:
+            metrics.close()
+    assert 0 < sent["q8"] < 0.3 * sent["none"]

@@ -267,6 +267,10 @@ class _Trainer:
         """Shards this trainer samples in place (same node)."""
         return sorted(self.views)
 
+    def comm_totals(self) -> dict | None:
+        """Gradient compression's totals (bytes this rank sent, ...), None without it."""
+        return _comm_totals(self.core)
+
     def grad_values(self) -> int:
         return self.core.optimizer.flat.numel()
 
@@ -309,3 +313,8 @@ class _DiesBeforeAllreduce:
 
     def __getattr__(self, name: str):
         return getattr(self._collective, name)
+
+
+def _comm_totals(core) -> dict | None:
+    sync = getattr(core, "grad_sync", None)
+    return sync.totals() if hasattr(sync, "totals") else None

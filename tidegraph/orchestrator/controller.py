@@ -182,7 +182,8 @@ class Orchestrator:
     def _record(self, record: dict) -> None:
         if self.metrics is not None:
             group = self.learner.group
-            self.metrics.observe(self.learner, record, group.take_seconds(), group.grad_values())
+            self.metrics.observe(self.learner, record, group.take_seconds(), group.grad_values(),
+                                 group.comm_totals())  # fmt: skip
         self.on_record(record)
 
     def _checkpoint(self, tag: str) -> None:

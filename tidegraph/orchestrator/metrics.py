@@ -5,8 +5,9 @@ Names (all prefixed `tidegraph_`):
 - `train_events_per_second`, `eval_events_per_second`: rates of the latest increment;
 - `step_seconds_total{phase}`: trainer time per step phase (sample, fetch, compute, allreduce,
   optimizer, apply), averaged over trainers;
-- `allreduce_bytes_total`: gradient bytes each trainer sent (ring all-reduce: 2 (W-1)/W of the
-  flat gradient per step);
+- `allreduce_bytes_total`: gradient bytes each trainer sent: with compression (`comm:`) what
+  trainer 0 counted on the wire, else a ring all-reduce's 2 (W-1)/W of the fp32 gradient per
+  step;
 - `feature_cache_hit_rate`: trainer 0's edge-feature cache;
 - `increment_ap`, `increment_mrr`: metrics of the latest increment; `increments_total`;
 - `trainers_alive`, `shards_alive`: actors the GCS reports alive at the last update;
@@ -53,13 +54,16 @@ class RunMetrics:
         self.recoveries = Counter("tidegraph_recoveries", "recoveries from lost members",
                                   registry=r)  # fmt: skip
         self._resizes = self._recoveries = 0
-        self._ingested = self._steps = 0
+        self._ingested = self._steps = self._sent = 0
         self.server, _ = start_http_server(port, addr=host, registry=r)
         self.port = self.server.server_port
         log.info("Prometheus metrics on http://%s:%d/metrics", host, self.port)
 
-    def observe(self, learner, record: dict, seconds: list[dict], grad_values: int) -> None:
-        """Update from a phase-1 or increment record and the trainers' step seconds."""
+    def observe(
+        self, learner, record: dict, seconds: list[dict], grad_values: int, comm=None
+    ) -> None:
+        """Update from a phase-1 or increment record, the trainers' step seconds and, with
+        gradient compression, trainer 0's totals (`comm`)."""
         group = learner.group
         trainers, shards = group.alive()
         self.trainers.set(trainers)
@@ -79,8 +83,12 @@ class RunMetrics:
             self.seconds.labels(phase).inc(sum(s.get(phase, 0.0) for s in seconds) / w)
         steps = learner.cursor.step - self._steps
         self._steps = learner.cursor.step
-        ring = 2 * (group.num_trainers - 1) / group.num_trainers
-        self.bytes.inc(steps * grad_values * 4 * ring)
+        if comm is not None:  # counted on the wire (a resumed run's totals start again)
+            self.bytes.inc(max(0, comm["bytes_sent"] - self._sent))
+            self._sent = comm["bytes_sent"]
+        else:
+            ring = 2 * (group.num_trainers - 1) / group.num_trainers
+            self.bytes.inc(steps * grad_values * 4 * ring)
         if "train_events_per_s" in record:
             self.train_rate.set(record["train_events_per_s"])
         if record.get("phase") == "increment":

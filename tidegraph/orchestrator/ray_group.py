@@ -1103,6 +1103,10 @@ class RayGroup:
     def grad_values(self) -> int:
         return self._robust(lambda: ray.get(self.trainers[0].grad_values.remote()))
 
+    def comm_totals(self) -> dict | None:
+        """Trainer 0's gradient-compression totals (bytes per rank), None without it."""
+        return self._robust(lambda: ray.get(self.trainers[0].comm_totals.remote()))
+
     def take_seconds(self) -> list[dict]:
         return self._all("take_seconds")
 

@@ -231,6 +231,11 @@ class LocalGroup:
         """Values in the flat gradient each step all-reduces."""
         return self.trainers[0].optimizer.flat.numel()
 
+    def comm_totals(self) -> dict | None:
+        """Trainer 0's gradient-compression totals (bytes per rank), None without it."""
+        sync = getattr(self.trainers[0], "grad_sync", None)
+        return sync.totals() if hasattr(sync, "totals") else None
+
     def take_seconds(self) -> list[dict]:
         """Each trainer's seconds per step phase since the last call."""
         return [t.take_seconds() for t in self.trainers]
