@@ -12,7 +12,14 @@ Both train on the first 70% by time, validate on the next 15% and test on the la
 batches of 200 and the same learning rate. Epochs alternate between the two (ours, PyG, ours,
 ...) so that load from other processes on a shared machine hits both alike. Printed: test AP
 and AUC (one negative per positive) and the mean training-epoch time of each; JSON goes to
-benchmarks/out/vs_pyg_<dataset>_<device>.json.
+benchmarks/out/vs_pyg_<dataset>_<device>[_<options>].json (a file path as `--dataset` gives
+its file name's stem).
+
+Protocols: by default tidegraph samples neighbours strictly before each event's own time, so
+an event sees earlier events of its own batch (TGL's convention); PyG's TGN lets no event see
+anything of its own batch. `--history batch` (`sampler.history: batch`) runs tidegraph under
+PyG's protocol, like for like. `--root-dedup` sets `sampler.root_dedup` (each distinct
+(node, time) root of a batch embedded once); `--no-pyg` times tidegraph alone.
 
 Needs torch_geometric (not a tidegraph dependency): run it in an environment that has it,
 e.g. `python -m venv --system-site-packages /tmp/pygenv && /tmp/pygenv/bin/pip install
@@ -22,6 +29,7 @@ torch_geometric && /tmp/pygenv/bin/python benchmarks/bench_vs_pyg.py`.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from pathlib import Path
@@ -160,6 +168,11 @@ def main() -> None:
         help="tidegraph side: train the time-encoding frequencies (default: fixed, GraphMixer)",
     )
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (both sides)")
+    p.add_argument("--history", choices=("event", "batch"), default="event",
+                   help="tidegraph's sampler.history (batch: PyG's protocol)")  # fmt: skip
+    p.add_argument("--root-dedup", choices=("auto", "always", "never"), default="auto",
+                   help="tidegraph's sampler.root_dedup")  # fmt: skip
+    p.add_argument("--no-pyg", action="store_true", help="time tidegraph alone")
     args = p.parse_args()
     tune_host_allocator()  # as the job does (in bench_vs_pyg: for both systems, one process)
     if args.threads:
@@ -172,6 +185,7 @@ def main() -> None:
     cfg = RunConfig.from_dict(
         {
             "model": {"name": "tgn", "time_trainable": args.trainable_time_encoding},
+            "sampler": {"history": args.history, "root_dedup": args.root_dedup},
             "train": {"batch_size": args.batch_size, "lr": args.lr, "epochs": args.epochs},
             "seed": args.seed,
             "device": args.device,
@@ -190,7 +204,7 @@ def main() -> None:
     torch.manual_seed(args.seed)
     # PyG's message store cannot hold zero-width messages; one zero column carries nothing
     msg = torch.zeros(n, max(stream.edge_dim, 1))
-    pyg = PygTGN(stream.num_nodes, msg, ev.t, device, args.lr)
+    pyg = None if args.no_pyg else PygTGN(stream.num_nodes, msg, ev.t, device, args.lr)
     gen = torch.Generator().manual_seed(args.seed)
     dst_range = (int(ev.dst.min()), int(ev.dst.max()))
     mk = lambda lo, hi: _pyg_batches(ev, lo, hi, args.batch_size, dst_range, gen, device)
@@ -204,6 +218,9 @@ def main() -> None:
         sync(device)
         times["tidegraph"].append(time.perf_counter() - t0)
         ours.eval_pass(train_end, val_end, "tidegraph val", observe=True)
+        if pyg is None:
+            print(f"epoch {epoch + 1}: tidegraph {times['tidegraph'][-1]:.2f} s", flush=True)
+            continue
         batches = mk(0, train_end)
         sync(device)
         t0 = time.perf_counter()
@@ -217,35 +234,26 @@ def main() -> None:
             flush=True,
         )
     ours_test = ours.eval_pass(val_end, n, "tidegraph test", observe=True)
-    pyg_test = pyg.evaluate(mk(val_end, n))
-    rows = [
-        {
-            "system": "tidegraph TGN",
-            "test_ap": ours_test["ap"],
-            "test_auc": ours_test["auc"],
-            "epoch_s": sum(times["tidegraph"]) / args.epochs,
-        },
-        {
-            "system": "PyG TGN",
-            "test_ap": pyg_test["ap"],
-            "test_auc": pyg_test["auc"],
-            "epoch_s": sum(times["pyg"]) / args.epochs,
-        },
-    ]
+    label = f"tidegraph TGN ({args.history} history)"
+    rows = [_row(label, ours_test, times["tidegraph"])]
+    if pyg is not None:
+        rows.append(_row("PyG TGN", pyg.evaluate(mk(val_end, n)), times["pyg"]))
     print(
         f"\n{stream.name}: {n} events, split 70/15/15, batch {args.batch_size}, "
-        f"{args.epochs} epochs, lr {args.lr}, {machine()}"
+        f"{args.epochs} epochs, lr {args.lr}, history {args.history}, root_dedup "
+        f"{args.root_dedup}, {machine()}"
     )
     print_table(rows)
-    speedup = rows[1]["epoch_s"] / rows[0]["epoch_s"]
-    ap_diff = 100 * (rows[0]["test_ap"] - rows[1]["test_ap"])
-    print(
-        f"epoch speedup (PyG / tidegraph): {speedup:.2f}x; "
-        f"AP difference (tidegraph - PyG): {ap_diff:+.2f} points"
-    )
+    speedup = None
+    if pyg is not None:
+        speedup = rows[1]["epoch_s"] / rows[0]["epoch_s"]
+        ap_diff = 100 * (rows[0]["test_ap"] - rows[1]["test_ap"])
+        print(
+            f"epoch speedup (PyG / tidegraph): {speedup:.2f}x; "
+            f"AP difference (tidegraph - PyG): {ap_diff:+.2f} points"
+        )
     path = write_json(
-        f"vs_pyg_{args.dataset}_{device.type}"
-        f"{'_trainable_time' if args.trainable_time_encoding else ''}.json",
+        f"vs_pyg_{_file_part(args.dataset)}_{device.type}{_suffix(args)}.json",
         {
             "dataset": stream.name,
             "events": n,
@@ -257,6 +265,33 @@ def main() -> None:
         },
     )
     print(f"wrote {path}")
+
+
+def _row(system: str, test: dict, epoch_times: list[float]) -> dict:
+    return {
+        "system": system,
+        "test_ap": test["ap"],
+        "test_auc": test["auc"],
+        "epoch_s": sum(epoch_times) / len(epoch_times),
+    }
+
+
+def _file_part(dataset: str) -> str:
+    """A bundled name as it is; a file path as its file name's stem (no directories, no
+    characters a file name should not hold)."""
+    name = Path(dataset).name
+    for ext in (".gz", ".bz2", ".xz", ".zst"):
+        name = name.removesuffix(ext)
+    stem = Path(name).stem if Path(dataset).suffix else name
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", stem) or "dataset"
+
+
+def _suffix(args) -> str:
+    parts = ["_trainable_time" if args.trainable_time_encoding else ""]
+    parts.append("_batch_history" if args.history == "batch" else "")
+    parts.append("" if args.root_dedup == "auto" else f"_root_dedup_{args.root_dedup}")
+    parts.append("_no_pyg" if args.no_pyg else "")
+    return "".join(parts)
 
 
 if __name__ == "__main__":

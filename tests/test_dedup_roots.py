@@ -121,7 +121,7 @@ def test_options_follow_the_config_and_the_model():
     tgn, _ = _model("tgn")
     apan = build_model(ModelConfig(name="apan", dim=16, time_dim=8, memory_dim=16), 40, 0)
     t = torch.tensor([5.0, 3.0, 9.0])
-    assert sample_options(SamplerConfig(), tgn, t) == {"t_cap": None, "dedup_roots": 0.75}
+    assert sample_options(SamplerConfig(), tgn, t) == {"t_cap": None, "dedup_roots": 0.9}
     assert sample_options(SamplerConfig(), apan, t)["dedup_roots"] is None  # z[:2b] is rows
     assert sample_options(SamplerConfig(strategy="uniform"), tgn, t)["dedup_roots"] is None
     uniform_always = SamplerConfig(strategy="uniform", root_dedup="always")

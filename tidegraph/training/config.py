@@ -93,7 +93,7 @@ class SamplerConfig:
     # TGN), only events before the batch's start (with W > 1 trainers: each trainer's slice)
     history: str = "event"
     # embed each distinct (node, time) root of a batch once and gather back (same embeddings):
-    # "auto" when at most 3/4 of the roots are distinct (and the strategy is "recent": with
+    # "auto" when at most 9/10 of the roots are distinct (and the strategy is "recent": with
     # "uniform", identical roots would share draws), "always", or "never"
     root_dedup: str = "auto"
 

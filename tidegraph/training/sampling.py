@@ -121,12 +121,18 @@ def build_replay(kind: str, seed: int, floor: float = 0.1) -> UniformReplay:
     raise ValueError(f"continual.replay must be 'uniform' or 'importance', got {kind!r}")
 
 
+# `root_dedup: auto` deduplicates a batch's roots when at most this share of them are distinct
+# (an e-mail stream: ~0.84; Wikipedia and CollegeMsg: ~1.0, where finding the distinct roots,
+# ~50 us per batch of 600 roots, is all it costs)
+AUTO_ROOT_DEDUP = 0.9
+
+
 def sample_options(config, model, t_new: torch.Tensor | None) -> dict:
     """`t_cap` and `dedup_roots` of a trainer's `sample` request, from `config` (a
     `SamplerConfig`): with `history: batch` roots see only edges before the earliest of the
     batch's new events (`t_new`; none new, as in a slice of replayed events alone: their own
     times); `root_dedup` applies to models whose embeddings allow it (`root_dedup`)."""
-    dedup = {"always": 1.0, "never": None}.get(config.root_dedup, 0.75)
+    dedup = {"always": 1.0, "never": None}.get(config.root_dedup, AUTO_ROOT_DEDUP)
     if not model.root_dedup or (config.root_dedup == "auto" and config.strategy != "recent"):
         dedup = None
     cap = None
