@@ -296,3 +296,35 @@ def test_a_resumed_growing_file_run_ends_as_an_uninterrupted_one(tmp_path, fast_
             "--storage", str(tmp_path), "--run-name", "cut", "--resume"]  # fmt: skip
     assert main(ARGS + args) == 0
     assert_same_run(tmp_path / "whole", tmp_path / "cut", 2000)
+
+
+def test_a_resumed_followed_run_with_huge_and_negative_ids_ends_as_an_uninterrupted_one(
+    tmp_path, fast_polls
+):
+    """Ids of any int64 value in arriving files: the id map is checkpointed with the run, the
+    event log names the files' ids, and a resumed run maps new ids as the uninterrupted one."""
+    gen = torch.Generator().manual_seed(7)
+    pool = torch.randint(-(2**63), 2**63 - 1, (150,), generator=gen)
+    pool[:3] = torch.tensor([2**63 - 1, -(2**63), -1])
+    n = 1400
+    src = pool[torch.randint(0, 150, (n,), generator=gen)]
+    dst = pool[torch.randint(0, 150, (n,), generator=gen)]
+    inbox = tmp_path / "inbox"
+    inbox.mkdir()
+    cuts = [0, 800, 950, 1100, 1250, 1400]
+    for i, (lo, hi) in enumerate(zip(cuts, cuts[1:], strict=False)):
+        rows = [
+            f"{s},{d},{float(t)!r}\n"
+            for s, d, t in zip(src[lo:hi].tolist(), dst[lo:hi].tolist(), range(lo, hi), strict=True)
+        ]
+        (inbox / f"part-{i:03d}.csv").write_text("src,dst,t\n" + "".join(rows))
+    common = ARGS + ["--follow", str(inbox), "--storage", str(tmp_path)]
+    assert main(common + ["--run-name", "whole"]) == 0
+    run = orchestrator(tmp_path, "cut", DirectorySource(str(inbox)))
+    assert run.step() is RunState.RUNNING
+    cut_mid_increment(run, 2)
+    del run
+    assert main(common + ["--run-name", "cut", "--resume"]) == 0
+    assert_same_run(tmp_path / "whole", tmp_path / "cut", n)
+    logged = EventLog(str(tmp_path / "cut")).read()
+    assert torch.equal(logged.src, src) and torch.equal(logged.dst, dst)

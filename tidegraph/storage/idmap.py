@@ -74,8 +74,10 @@ class IdMap:
         self.kind = kind
         self.identity_bound = int(identity_bound)
         self._keys = np.empty(0, dtype=np.int64)  # int keys in dense order
-        self._sorted = np.empty(0, dtype=np.int64)  # the same keys sorted ...
-        self._dense = np.empty(0, dtype=np.int64)  # ... and their dense ids
+        # the keys as sorted runs (sorted keys, their dense ids), merged like a binary counter
+        # (a run merges into the one before while that one is no larger than twice its size):
+        # O(log K) runs, each key re-sorted O(log K) times, no O(K) copy per batch
+        self._runs: list[tuple[np.ndarray, np.ndarray]] = []
         self._text = pa.array([], pa.large_string())  # str keys in dense order
 
     @classmethod
@@ -121,27 +123,37 @@ class IdMap:
         return both[:, 0].contiguous(), both[:, 1].contiguous()
 
     def _lookup_add(self, x: np.ndarray) -> np.ndarray:
-        pos, found = self._find(x)
+        dense, found = self._find(x)
         if not found.all():
-            fresh = x[~found]
-            keys, first = np.unique(fresh, return_index=True)
-            order = keys[np.argsort(first, kind="stable")]  # first appearance
-            dense = len(self) + np.arange(order.size, dtype=np.int64)
-            self._keys = np.concatenate([self._keys, order])
-            at = np.searchsorted(self._sorted, keys)
-            rank = np.empty(order.size, dtype=np.int64)
-            rank[np.argsort(first, kind="stable")] = np.arange(order.size)
-            self._sorted = np.insert(self._sorted, at, keys)
-            self._dense = np.insert(self._dense, at, dense[rank])
-            pos, found = self._find(x)
-        return self._dense[pos]
+            keys, first = np.unique(x[~found], return_index=True)
+            by_first = np.argsort(first, kind="stable")  # new ids in order of first appearance
+            rank = np.empty(keys.size, dtype=np.int64)
+            rank[by_first] = np.arange(keys.size)
+            base = len(self)
+            self._keys = np.concatenate([self._keys, keys[by_first]])
+            self._push(keys, base + rank)
+            dense, _ = self._find(x)
+        return dense
+
+    def _push(self, keys: np.ndarray, dense: np.ndarray) -> None:
+        """Add a sorted run, merging the last runs while the older is not much larger."""
+        self._runs.append((keys, dense))
+        while len(self._runs) > 1 and self._runs[-2][0].size <= 2 * self._runs[-1][0].size:
+            (k1, d1), (k2, d2) = self._runs[-2:]
+            keys = np.concatenate([k1, k2])
+            order = np.argsort(keys, kind="stable")
+            self._runs[-2:] = [(keys[order], np.concatenate([d1, d2])[order])]
 
     def _find(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        pos = np.searchsorted(self._sorted, x)
-        inside = pos < self._sorted.size
-        pos = np.where(inside, pos, 0)
-        found = inside & (self._sorted[pos] == x) if self._sorted.size else inside
-        return pos, found
+        """Dense ids of `x` (0 where absent) and whether each was found."""
+        dense = np.zeros(x.size, dtype=np.int64)
+        found = np.zeros(x.size, dtype=bool)
+        for keys, values in self._runs:
+            pos = np.minimum(np.searchsorted(keys, x), keys.size - 1)
+            hit = keys[pos] == x
+            dense[hit] = values[pos[hit]]
+            found |= hit
+        return dense, found
 
     def map_text(self, values: pa.Array) -> np.ndarray:
         """Dense ids of string external ids (a pyarrow string array without nulls)."""
@@ -199,8 +211,9 @@ class IdMap:
     def _set_keys(self, keys: np.ndarray) -> None:
         self._keys = keys
         order = np.argsort(keys, kind="stable")
-        self._sorted = keys[order]
-        self._dense = self.identity_bound + order.astype(np.int64)
+        self._runs = (
+            [(keys[order], self.identity_bound + order.astype(np.int64))] if keys.size else []
+        )
 
     @classmethod
     def from_state(cls, state: dict) -> IdMap:
