@@ -32,12 +32,12 @@ def wiki():
     return load_stream("wikipedia", 1500)
 
 
-def config(faults=(), trainers: int = 2, shards: int = 2) -> RunConfig:
+def config(faults=(), trainers: int = 2, shards: int = 2, **cluster) -> RunConfig:
     raw = reference_run.reference_config("tgn")
     raw["model"]["slot_precision"] = "fp32"
     raw["train"]["batch_size"] = 50  # more steps per pass
     raw["cluster"] = {"backend": "ray", "trainers": trainers, "shards": shards,
-                      "faults": list(faults)}  # fmt: skip
+                      "faults": list(faults), **cluster}  # fmt: skip
     raw["run_name"] = "tidegraph-recovery-test"
     return RunConfig.from_dict(raw)
 
@@ -136,6 +136,35 @@ def test_a_shard_sigkilled_mid_pass_is_rebuilt_from_the_log_exactly(ray_session,
     rebuilt = [e for e in got["recoveries"] if "events" in e]
     assert [e["lost_shards"] for e in rebuilt] == [[1]]
     assert_same_run(got, fault_free)  # including every shard's event count
+
+
+def test_a_lost_shard_with_a_replica_is_replaced_by_it_exactly(ray_session, wiki, fault_free):
+    """`cluster.shard_replicas: 2`: shard 1 SIGKILLed mid-pass; its replica (which took
+    every ingest) takes its place without replaying the log, and the run is bitwise the
+    fault-free one with every shard holding the log's events."""
+    default, RayGroup.progress_s = RayGroup.progress_s, 0.01
+    try:
+        got = run(config(shard_replicas=2), wiki, during=kill_when(4, lambda g: g.shards[1]))
+    finally:
+        RayGroup.progress_s = default
+    promoted = [e for e in got["recoveries"] if e.get("promoted")]
+    assert [e["promoted"] for e in promoted] == [[1]]
+    assert not [e for e in got["recoveries"] if "events" in e and not e.get("promoted")]
+    assert_same_run(got, fault_free)
+
+
+def test_a_lost_replica_is_dropped_and_the_run_goes_on(ray_session, wiki, fault_free):
+    """A replica SIGKILLed: the next write finds it gone, the group drops it (a new one
+    starts in the background) and nothing else changes."""
+    default, RayGroup.progress_s = RayGroup.progress_s, 0.01
+    try:
+        got = run(config(shard_replicas=2), wiki,
+                  during=kill_when(4, lambda g: g.replicas[0][0]))  # fmt: skip
+    finally:
+        RayGroup.progress_s = default
+    assert [e.get("lost_replicas") for e in got["recoveries"]] == [[[0, 0]]]
+    assert not got["recoveries"][0]["lost_shards"] and not got["recoveries"][0]["lost"]
+    assert_same_run(got, fault_free)
 
 
 @pytest.mark.slow

@@ -37,7 +37,9 @@ def connect(config) -> bool:
         log.info("joined the Ray cluster at %s (namespace %r)", address, namespace)
         return False
     c = config.cluster
-    need = math.ceil(c.trainers * c.trainer_cpus + c.shards * c.shard_cpus)
+    trainers = c.trainers + getattr(c, "spare_trainers", 0)
+    shards = c.shards * getattr(c, "shard_replicas", 1)
+    need = math.ceil(trainers * c.trainer_cpus + shards * c.shard_cpus)
     cpus = max(os.cpu_count() or 1, need)
     ray.init(
         _node_ip_address="127.0.0.1", num_cpus=cpus, namespace=namespace,

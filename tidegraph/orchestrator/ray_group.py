@@ -105,6 +105,10 @@ def _trainer_bounds(c) -> tuple[int, int]:
     return lo, hi
 
 
+def _replicas(c) -> int:
+    return getattr(c, "shard_replicas", 1)
+
+
 def _spares(c) -> int:
     return getattr(c, "spare_trainers", 0)
 
@@ -191,7 +195,11 @@ class RayGroup:
         self._inflight: collections.deque[PendingLoss] = collections.deque()
         self._pending: list = []  # node-state updates of the last step, not yet sent
         cuda = config.device.startswith("cuda")
-        self.shard_pg = placement_group([{"CPU": c.shard_cpus}] * c.shards, strategy="SPREAD")
+        # P shards, and with `cluster.shard_replicas` r > 1 r - 1 read-only replicas of each
+        # (bundle P i + p: replica i of partition p), spread over nodes as Ray can
+        self.num_copies = _replicas(c)
+        self.shard_pg = placement_group([{"CPU": c.shard_cpus}] * (c.shards * self.num_copies),
+                                        strategy="SPREAD")  # fmt: skip
         self.trainer_bundle = {"CPU": c.trainer_cpus, **({"GPU": 1} if cuda else {})}
         # a placement group per trainer (a slot), up to the most trainers the run may have:
         # Ray claims a new node's resources for the pending ones as they appear
@@ -224,6 +232,13 @@ class RayGroup:
         self.shard_moves: list[dict] = []  # one record per shard moved to another actor
         self._wanted_moves: set[int] = set()  # partitions an operator asked to move
         self.shards = [self._new_shard(p) for p in range(c.shards)]
+        # replicas take every write a shard takes (ingests, node state), never a read
+        self.replica_slots = [[(self.shard_pg, c.shards * i + p) for i in range(1, self.num_copies)]
+                              for p in range(c.shards)]  # fmt: skip
+        self.replicas = [[self._new_shard(p, slot, f"tidegraph-shard-{p}-r{i + 1}")
+                          for i, slot in enumerate(self.replica_slots[p])]
+                         for p in range(c.shards)]  # fmt: skip
+        self.replica_successors: dict[int, list] = {}  # p: [(slot, actor, first answer)]
         self._trainer_args = (raw, edge_dim, cuda)
         self.num_nodes = num_nodes
         # trainer w is member `members[w]` (its actor's name) in placement group
@@ -243,7 +258,7 @@ class RayGroup:
         self._stop_asked = False  # the trainers were asked to stop after a step (a resize)
         self._next_check = 0.0  # monotonic time of the next look at the membership
         self._connect()
-        ray.get([s.ping.remote() for s in self.shards])
+        ray.get([s.ping.remote() for s in self._all_copies()])
         self._top_up()  # spare trainers (`cluster.spare_trainers`) start in the background
         if _spares(c):  # their slots are placed in moments when there is room
             ray.wait([pg.ready() for pg in self.spares], num_returns=len(self.spares),
@@ -373,7 +388,7 @@ class RayGroup:
                              self.feature_gen)  # fmt: skip
         self.balancer.ingest(events)
         try:
-            ray.get([s.ingest.remote(x) for s, x in zip(self.shards, pieces, strict=True)])
+            ray.get([s.ingest.remote(x) for p, x in enumerate(pieces) for s in self._copies(p)])
         except ray.exceptions.RayActorError as exc:  # survivors have it; rebuilt ones too
             self.recover(exc)
         if len(events):
@@ -498,15 +513,15 @@ class RayGroup:
 
     # ---- elasticity ---------------------------------------------------------------------------
 
-    def _plan(self, force: bool = False) -> tuple[ResizeDecision | None, list[int]]:
+    def _plan(self, force: bool = False) -> tuple[ResizeDecision | None, list[int], list[int]]:
         """What the group should change now, looked at every `cluster.elastic_poll_s` (or
         now, `force`): the trainers' resize (`elastic.policy`: an operator's wanted count,
         trainers on draining nodes, spare slots Ray placed) and the partitions whose shard
         should move to the successor started for it (its node is draining, or an operator
-        asked), once that successor is up."""
+        asked), once that successor is up, and the partitions with a new replica up."""
         now = time.monotonic()
         if not force and now < self._next_check:
-            return None, []
+            return None, [], []
         self._next_check = now + _poll_s(self.config.cluster)
         wanted, moves = ray.get([self.coordinator.take_wanted.remote(),
                                  self.coordinator.take_moves.remote()])  # fmt: skip
@@ -522,15 +537,18 @@ class RayGroup:
         draining = _draining_nodes()
         ranks = {w: n for w, n in enumerate(self._member_nodes()) if n in draining}
         moves = self._successors_up(draining)
-        return plan_resize(self.num_trainers, self.target, len(self._joiners_up(draining)),
-                           ranks), moves  # fmt: skip
+        decision = plan_resize(self.num_trainers, self.target, len(self._joiners_up(draining)),
+                               ranks)  # fmt: skip
+        return decision, moves, self._replicas_up()
 
     def _resize_if_due(self, force: bool = False, at: str = "between steps") -> None:
         """Resize and move shards now if the group should (at a step boundary, `at`:
         nothing is under way)."""
-        decision, moves = self._plan(force or self._stop_asked)
+        decision, moves, adds = self._plan(force or self._stop_asked)
         self._stop_asked = False
         try:
+            for p in adds:
+                self._add_replicas(p)
             for p in moves:
                 self._move_shard(p, at)
             if decision is not None:
@@ -552,6 +570,87 @@ class RayGroup:
             if time.monotonic() > deadline:
                 raise PlacementTimeout(f"shard {p}: no successor up within {wait_s:.0f} s")
             time.sleep(0.01)
+
+    def _copies(self, p: int) -> list:
+        """Partition `p`'s shard and its replicas (every write goes to all of them)."""
+        return [self.shards[p], *self.replicas[p]]
+
+    def _all_copies(self) -> list:
+        return [s for p in range(self.num_shards) for s in self._copies(p)]
+
+    def _probe_replicas(self) -> list[tuple[int, int]]:
+        """Replicas (partition, index) that are dead or do not answer within `probe_s`;
+        they are dropped, and a successor for each starts in the background."""
+        refs = [(p, i, r.ping.remote()) for p, reps in enumerate(self.replicas)
+                for i, r in enumerate(reps)]  # fmt: skip
+        ready, _ = ray.wait([x[2] for x in refs], num_returns=len(refs), timeout=self.probe_s)
+        lost = []
+        for p, i, ref in refs:
+            try:
+                if ref not in ready:
+                    raise TimeoutError
+                ray.get(ref)
+            except (ray.exceptions.RayActorError, TimeoutError):
+                lost.append((p, i))
+        for p, i in sorted(lost, reverse=True):
+            ray.kill(self.replicas[p].pop(i))
+            self.replica_slots[p].pop(i)
+        for p in sorted({p for p, _ in lost}):
+            self._start_replicas(p)
+        return lost
+
+    def _start_replicas(self, p: int) -> None:
+        """Start successors so that partition `p` gets back to `shard_replicas` copies; each
+        copies the shard at a step boundary once it is up (`_add_replicas`)."""
+        wanted = self.num_copies - 1 - len(self.replicas[p])
+        starting = self.replica_successors.setdefault(p, [])
+        while len(starting) < wanted:
+            slot = placement_group([{"CPU": self.config.cluster.shard_cpus}])
+            serial = len(self.shard_moves) + sum(map(len, self.replica_successors.values()))
+            name = f"tidegraph-shard-{p}-r{self.recoveries_left}-{serial}"
+            actor = self._new_shard(p, (slot, 0), name=name)
+            starting.append((slot, actor, actor.ping.remote()))
+            log.info("shard %d: starting a replica to get back to %d copies", p,
+                     self.num_copies)  # fmt: skip
+
+    def _replicas_up(self) -> list[int]:
+        """Partitions with a replica successor up (to be added at a step boundary)."""
+        up = []
+        for p, starting in self.replica_successors.items():
+            refs = [x[2] for x in starting]
+            if refs and ray.wait(refs, num_returns=1, timeout=0)[0]:
+                up.append(p)
+        return up
+
+    def _add_replicas(self, p: int) -> None:
+        """Replica successors of `p` that are up copy the shard (at a step boundary) and
+        take writes from now on; one that failed to start is dropped and started again."""
+        self.drain()
+        self._flush()
+        starting, keep = self.replica_successors.get(p, []), []
+        for slot, actor, ref in starting:
+            if not ray.wait([ref], timeout=0)[0]:
+                keep.append((slot, actor, ref))
+                continue
+            try:
+                ray.get(ref)
+                ray.get(actor.load_state_dict.remote(self.shards[p].state_dict.remote()))
+                held, had = ray.get([actor.report.remote(), self.shards[p].report.remote()])
+                if held["events"] != had["events"]:
+                    raise RuntimeError(f"replica of shard {p} holds {held['events']} events, "
+                                       f"the shard {had['events']}")  # fmt: skip
+            except ray.exceptions.RayActorError as exc:
+                log.warning("a replica of shard %d failed to start (%s)", p, exc)
+                ray.kill(actor)
+                with contextlib.suppress(Exception):
+                    remove_placement_group(slot)
+                continue
+            self.replicas[p].append(actor)
+            self.replica_slots[p].append((slot, 0))
+            log.info("shard %d: replica added (%d events); %d copies", p, held["events"],
+                     1 + len(self.replicas[p]))  # fmt: skip
+        self.replica_successors[p] = keep
+        self._start_replicas(p)
 
     def _shard_nodes(self) -> list:
         """Node id of each partition's shard (from its slot, in the GCS)."""
@@ -789,7 +888,8 @@ class RayGroup:
         # a trainer that was to copy a replica when recovery was interrupted is lost too
         lost = sorted(set(self._probe()) | self._stale)
         lost_shards = self._probe_shards()
-        if not lost and not lost_shards and not _group_failure(cause):
+        lost_replicas = self._probe_replicas()  # dropped; successors start in the background
+        if not lost and not lost_shards and not lost_replicas and not _group_failure(cause):
             raise cause  # not a lost member: a real error
         if lost_shards:
             self._recover_shards(cause, lost_shards, tuple(lost))
@@ -835,6 +935,7 @@ class RayGroup:
         self._connect()
         event = {
             "lost": lost, "lost_shards": lost_shards, "source": source, "steps_done": done,
+            "lost_replicas": [list(x) for x in lost_replicas],
             "copied_to": sorted(behind), "spares_used": spared, "dropped": dropped,
             "generation": self.generation, "seconds": time.perf_counter() - t0,
             "cause": type(cause).__name__,
@@ -926,11 +1027,27 @@ class RayGroup:
         lost = self._probe_shards() if lost is None else lost
         if not lost:
             raise cause
+        live = [t for w, t in enumerate(self.trainers) if w not in lost_trainers]
+        promoted = [p for p in lost if self.replicas[p]]
+        for p in promoted:  # a replica holds all the shard held: it takes its place
+            self.shards[p] = self.replicas[p].pop(0)
+            self.shard_slots[p] = self.replica_slots[p].pop(0)
+            self._start_replicas(p)
+        if promoted:
+            ray.get([t.replace_shard.remote(p, self.shards[p]) for t in live for p in promoted])
+            self.recoveries.append({"lost_shards": promoted, "promoted": promoted,
+                                    "events": {p: ray.get(self.shards[p].report.remote())[
+                                        "events"] for p in promoted}})  # fmt: skip
+            log.warning("shard recovery: replicas promoted for %s", promoted)
+        lost = [p for p in lost if p not in promoted]
+        if not lost:
+            self._refresh(self.num_nodes, live, recovering=True)
+            return
         if self.sharded:
             raise RuntimeError(
                 f"shards {lost} were lost with the node state they own (cluster.memory "
-                "'sharded'); it cannot be rebuilt from the event log: resume the run from "
-                "its last checkpoint"
+                "'sharded') and no replica (cluster.shard_replicas); it cannot be rebuilt "
+                "from the event log: resume the run from its last checkpoint"
             ) from cause
         if self.replay_source is None:
             raise RuntimeError(f"shards {lost} were lost and no replay source is set") from cause
@@ -957,7 +1074,6 @@ class RayGroup:
         if held != expected:
             raise RuntimeError(f"rebuilt shards hold {held} events, the log has {expected}")
         self._stale_shards = set()
-        live = [t for w, t in enumerate(self.trainers) if w not in lost_trainers]
         ray.get([t.replace_shard.remote(p, self.shards[p]) for t in live for p in lost])
         self._refresh(self.num_nodes, live, recovering=True)  # replacements get them new
         log.warning(
@@ -1027,7 +1143,7 @@ class RayGroup:
         until then, in order before anything the trainer does next), or to every shard
         (waited for: trainers read shards next)."""
         if self.sharded:
-            ray.get([s.apply_state_of.remote(*updates) for s in self.shards])
+            ray.get([s.apply_state_of.remote(*updates) for s in self._all_copies()])
             return
         self._flush()
         self._pending = list(updates)
@@ -1063,7 +1179,7 @@ class RayGroup:
     def reset_state(self) -> None:
         self._all("reset_state")
         if self.sharded:
-            ray.get([s.reset_state.remote() for s in self.shards])
+            ray.get([s.reset_state.remote() for s in self._all_copies()])
 
     def node_state(self) -> dict:
         self._flush()
@@ -1074,8 +1190,8 @@ class RayGroup:
     def load_node_state(self, state: dict) -> None:
         if self.sharded:
             parts = state["shards"]
-            ray.get([s.load_node_state_dict.remote(x) for s, x in zip(self.shards, parts,
-                                                                      strict=True)])  # fmt: skip
+            ray.get([s.load_node_state_dict.remote(x) for p, x in enumerate(parts)
+                     for s in self._copies(p)])  # fmt: skip
             return
         ref = ray.put(state)
         self._all("load_node_state", ref)
@@ -1097,8 +1213,8 @@ class RayGroup:
     def load_sampler_states(self, states: list) -> None:
         self.drain()
         self._flush()
-        ray.get([s.load_sampler_state.remote(x) for s, x in zip(self.shards, states,
-                                                                strict=True)])  # fmt: skip
+        ray.get([s.load_sampler_state.remote(x) for p, x in enumerate(states)
+                 for s in self._copies(p)])  # fmt: skip
 
     def grad_values(self) -> int:
         return self._robust(lambda: ray.get(self.trainers[0].grad_values.remote()))
@@ -1161,8 +1277,8 @@ class RayGroup:
         load_generator_state(self.feature_gen, state["feature_gen"], "feature rounding")
         self.balancer.load_state_dict(state["balancer"])
         self.ingests = list(state["ingests"])
-        ray.get([s.load_state_dict.remote(x) for s, x in zip(self.shards, state["shards"],
-                                                             strict=True)])  # fmt: skip
+        ray.get([s.load_state_dict.remote(x) for p, x in enumerate(state["shards"])
+                 for s in self._copies(p)])  # fmt: skip
         states = state["trainers"]
         if len(states) != self.num_trainers:  # saved at another size: replicas are equal
             log.info("state of %d trainers loaded into %d", len(states), self.num_trainers)
@@ -1175,6 +1291,8 @@ class RayGroup:
         """Kill this group's actors and release its placement groups (idempotent)."""
         joining = [j[1] for j in getattr(self, "joiners", {}).values()]
         joining += [j[1] for j in getattr(self, "shard_successors", {}).values()]
+        joining += [a for reps in getattr(self, "replicas", []) for a in reps]
+        joining += [j[1] for js in getattr(self, "replica_successors", {}).values() for j in js]
         for actor in [*getattr(self, "trainers", []), *getattr(self, "shards", []), *joining]:
             ray.kill(actor)
         if getattr(self, "coordinator", None) is not None:
@@ -1183,6 +1301,8 @@ class RayGroup:
             getattr(self, "shard_pg", None),
             *(pg for pg, _ in getattr(self, "shard_slots", [])),
             *(j[0] for j in getattr(self, "shard_successors", {}).values()),
+            *(j[0] for js in getattr(self, "replica_successors", {}).values() for j in js),
+            *(pg for slots in getattr(self, "replica_slots", []) for pg, _ in slots),
             *getattr(self, "slots", []),
             *getattr(self, "member_slots", {}).values(),
             *getattr(self, "spares", []),
@@ -1191,5 +1311,6 @@ class RayGroup:
             with contextlib.suppress(Exception):  # removed already (a resize gave it back)
                 remove_placement_group(pg)
         self.shard_pg, self.slots, self.member_slots, self.spares = None, [], {}, []
-        self.joiners, self.shard_successors = {}, {}
+        self.joiners, self.shard_successors, self.replica_successors = {}, {}, {}
+        self.replicas = []
         self.trainers, self.shards, self.coordinator = [], [], None

@@ -211,6 +211,9 @@ class ClusterConfig:
     # a joining one, without a process start (seconds); each holds a trainer's resources
     spare_trainers: int = 0
     shards: int = 1
+    # copies of each shard (ray backend): r > 1 keeps r - 1 read-only replicas that take
+    # every write; a lost shard's replica takes its place (no replay), and a new one starts
+    shard_replicas: int = 1
     partitioner: str = "hash"  # or "ldg" (streaming linear deterministic greedy)
     # node state (TGN memory) on every trainer ("replicated") or owned by shards ("sharded");
     # "auto": replicated while nodes x state bytes per node fit memory_budget_mb
@@ -257,7 +260,7 @@ class ClusterConfig:
                 f"cluster.max_recoveries must be an integer >= 0, got {self.max_recoveries}"
             )
         self._trainer_bounds()
-        for name in ("trainers", "shards"):
+        for name in ("trainers", "shards", "shard_replicas"):
             value = getattr(self, name)
             if value < 1:
                 raise ValueError(f"cluster.{name} must be an integer >= 1, got {value}")
