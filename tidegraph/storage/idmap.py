@@ -125,14 +125,14 @@ class IdMap:
     def _lookup_add(self, x: np.ndarray) -> np.ndarray:
         dense, found = self._find(x)
         if not found.all():
-            keys, first = np.unique(x[~found], return_index=True)
+            miss = ~found
+            keys, first, inverse = np.unique(x[miss], return_index=True, return_inverse=True)
             by_first = np.argsort(first, kind="stable")  # new ids in order of first appearance
-            rank = np.empty(keys.size, dtype=np.int64)
-            rank[by_first] = np.arange(keys.size)
-            base = len(self)
+            new = np.empty(keys.size, dtype=np.int64)
+            new[by_first] = len(self) + np.arange(keys.size)
             self._keys = np.concatenate([self._keys, keys[by_first]])
-            self._push(keys, base + rank)
-            dense, _ = self._find(x)
+            self._push(keys, new)
+            dense[miss] = new[inverse.reshape(-1)]
         return dense
 
     def _push(self, keys: np.ndarray, dense: np.ndarray) -> None:
@@ -145,14 +145,20 @@ class IdMap:
             self._runs[-2:] = [(keys[order], np.concatenate([d1, d2])[order])]
 
     def _find(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Dense ids of `x` (0 where absent) and whether each was found."""
+        """Dense ids of `x` (0 where absent) and whether each was found; each run (largest
+        first) is searched for the ids not found yet."""
         dense = np.zeros(x.size, dtype=np.int64)
         found = np.zeros(x.size, dtype=bool)
+        todo = np.arange(x.size)
         for keys, values in self._runs:
-            pos = np.minimum(np.searchsorted(keys, x), keys.size - 1)
-            hit = keys[pos] == x
-            dense[hit] = values[pos[hit]]
-            found |= hit
+            want = x[todo]
+            pos = np.minimum(np.searchsorted(keys, want), keys.size - 1)
+            hit = keys[pos] == want
+            dense[todo[hit]] = values[pos[hit]]
+            found[todo[hit]] = True
+            todo = todo[~hit]
+            if todo.size == 0:
+                break
         return dense, found
 
     def map_text(self, values: pa.Array) -> np.ndarray:

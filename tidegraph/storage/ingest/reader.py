@@ -168,9 +168,13 @@ class EventReader:
             return Rejects.empty()
         w = self.config.window
         kind, hint = (
-            ("time decreases", "pass sort=True to reorder")
+            ("time decreases", "pass sort=True (data.reorder_window > 0) to reorder")
             if w == 0
-            else ("too late for the reorder window", f"raise reorder_window={w} or sort='full'")
+            else (
+                "too late for the reorder window",
+                f"raise reorder_window={w} (data.reorder_window) or sort='full' "
+                "(data.reorder_window: null)",
+            )
         )
         reasons = [
             f"{kind}: time {t:g} is earlier than {b:g}, seen before ({hint})"
