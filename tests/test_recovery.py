@@ -80,13 +80,17 @@ def test_a_trainer_sigkilled_from_outside_mid_pass_is_replaced(ray_session, wiki
     assert_same_run(got, fault_free)
 
 
+@pytest.mark.parametrize("log_every", [0, 1, 2])
 def test_losing_every_trainer_restarts_the_group_from_the_last_checkpoint(
-    ray_session, wiki, fault_free, tmp_path
+    ray_session, wiki, fault_free, tmp_path, log_every
 ):
     """No replica left: the orchestrator starts a new group from the newest checkpoint (after
-    the previous increment) and computes the steps since it again, to the same end."""
+    the previous increment) and computes the steps since it again, to the same end; with an
+    update log (every step, or every other one) the logged steps are replayed from it
+    instead (optimizer step with the logged gradient, logged node-state updates)."""
     late = fault_free["steps"] - 2  # in the last increment's retraining
-    cfg = config([{"trainer": w, "step": late, "at": "forward"} for w in (0, 1)])
+    cfg = config([{"trainer": w, "step": late, "at": "forward"} for w in (0, 1)],
+                 update_log_every=log_every)  # fmt: skip
     cfg.checkpoint_every = 1
     set_determinism(7, threads=1)
     orchestrator = Orchestrator(cfg, wiki, run_dir=RunDir(str(tmp_path), "restart"))
@@ -97,6 +101,12 @@ def test_losing_every_trainer_restarts_the_group_from_the_last_checkpoint(
         assert orchestrator.state is RunState.FINISHED, orchestrator.error
         assert orchestrator.restarts == 1
         learner = orchestrator.learner
+        plan = orchestrator.replay_plan
+        if log_every:  # steps since the checkpoint, up to the failure, logged and replayed
+            assert plan and plan[-1] < late and all(s % log_every == 0 for s in plan)
+            assert learner.group.replay_stats()["replayed"] == len(plan)
+        else:
+            assert plan == []
         got = {"model": learner.group.model_state(), "history": learner.history,
                "steps": learner.cursor.step,
                "shard_events": learner.group.report(wiki.events.src, wiki.events.dst)}  # fmt: skip

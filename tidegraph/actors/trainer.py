@@ -14,6 +14,7 @@ import torch
 from tidegraph.actors.segments import SegmentView
 from tidegraph.actors.shard import RemoteShard
 from tidegraph.comm.collective import Collective
+from tidegraph.recovery.updatelog import UpdateLog, read_step
 from tidegraph.rng import seed_for
 from tidegraph.runtime import set_determinism
 from tidegraph.storage.partition import build_partitioner
@@ -55,6 +56,40 @@ class _Trainer:
         self.coordinator = None
         self._asked = None  # rank 0's last report: whether the driver asks the group to stop
         self.pass_results: list = []
+        self.update_log: UpdateLog | None = None  # rank 0 writes it (`set_update_log`)
+        self.replay_dir, self.replay_steps = None, frozenset()
+        self.replayed, self.replay_s = 0, 0.0
+
+    def set_update_log(self, directory: str | None, every: int, replay=()) -> None:
+        """Log every `every`-th training step to `directory` (rank 0; 0: no log), and take
+        the steps in `replay` from the log there instead of computing them."""
+        if self.update_log is not None:
+            self.update_log.close()
+        self.update_log = None
+        if directory is not None and every > 0 and self.rank == 0:
+            self.update_log = UpdateLog(directory, every)
+        self.replay_dir, self.replay_steps = directory, frozenset(replay)
+
+    def replay_stats(self) -> dict:
+        """Steps replayed from the update log and their seconds; records written, bytes."""
+        out = {"replayed": self.replayed, "replay_s": self.replay_s}
+        if self.update_log is not None:
+            self.update_log.flush()
+            out.update(logged=self.update_log.records, log_bytes=self.update_log.bytes)
+        return out
+
+    def _replay(self, step: int) -> tuple:
+        """Step `step` from its update-log record: the optimizer steps with the logged
+        gradient; returns the logged loss and node-state updates (applied by the caller)."""
+        t0 = time.perf_counter()
+        record = read_step(self.replay_dir, step)
+        core = self.core
+        core.optimizer.flat_grad.copy_(record["grad"])
+        core.optimizer.step()
+        core.steps += 1
+        self.replayed += 1
+        self.replay_s += time.perf_counter() - t0
+        return record["loss"], record["updates"]
 
     def set_rank(self, rank: int, world: int, incarnation: int | None = None) -> None:
         """Become rank `rank` of `world` (a resize renumbers the members, a spare takes a
@@ -154,11 +189,19 @@ class _Trainer:
         gather = self.world > 1
         with self._leaving_on_error():
             for ev, weight, neg, num_observe, global_size in slices:
-                collective = self._armed(self.collective)
-                loss, updates = self.core.train_and_step(
-                    ev, weight, neg, num_observe, global_size, collective, gather
-                )
-                self.core.apply_updates(updates if gather else [updates])
+                step = self.core.steps
+                if step in self.replay_steps:
+                    loss, updates = self._replay(step)
+                else:
+                    collective = self._armed(self.collective)
+                    loss, updates = self.core.train_and_step(
+                        ev, weight, neg, num_observe, global_size, collective, gather
+                    )
+                    updates = updates if gather else [updates]
+                    if self.update_log is not None and self.update_log.wants(step):
+                        self.update_log.record(step, self.core.optimizer.flat_grad, updates,
+                                               loss)  # fmt: skip
+                self.core.apply_updates(updates)
                 self._fault("after_step", self.core.steps - 1)
                 self.pass_results.append(loss)
                 reported = self._progress(len(self.pass_results), reported)

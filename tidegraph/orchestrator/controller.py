@@ -30,6 +30,7 @@ import logging
 from collections.abc import Callable
 
 from tidegraph.recovery.policy import NoReplicaLeft
+from tidegraph.recovery.updatelog import logged_steps
 from tidegraph.storage.events import EventBatch
 from tidegraph.training.continual import ContinualLearner
 from tidegraph.training.data import Stream, stream_of
@@ -82,6 +83,7 @@ class Orchestrator:
         self.result: dict | None = None
         self.error: BaseException | None = None
         self.restarts = 0  # from a checkpoint, after every trainer was lost
+        self.replay_plan: list[int] = []  # logged steps the last group start replays
 
     def step(self) -> RunState:
         if self.state in TERMINAL:
@@ -147,6 +149,7 @@ class Orchestrator:
                 self._restore(events)
             elif self.run_dir is not None:
                 self.run_dir.save_config(self.config.to_dict())
+            self._open_update_log()
             g = self.learner.group
             log.info(
                 "placed %d shards and %d trainers (%s backend, node state %s)",
@@ -178,6 +181,26 @@ class Orchestrator:
             log.info("live source: no new file in %.0f s; finishing", self.follow_timeout)
         self.result = learner.summary()
         return RunState.FINISHED
+
+    def _open_update_log(self) -> None:
+        """With `cluster.update_log_every`, trainer 0 logs training steps to the run
+        directory's updates/; a restarted or resumed run replays the steps logged since its
+        checkpoint instead of computing them (`recovery.updatelog`)."""
+        every = self.config.cluster.update_log_every
+        group = self.learner.group
+        if self.run_dir is None or not self.run_dir.local or not hasattr(group, "set_update_log"):
+            if every:
+                log.warning("cluster.update_log_every: the update log needs the ray backend and "
+                            "a run directory on a file system; not logging")  # fmt: skip
+            return
+        directory = f"{self.run_dir.path}/updates"
+        replay = logged_steps(directory, since=self.learner.cursor.step) if self.resume else []
+        self.replay_plan = replay
+        if every or replay:
+            group.set_update_log(directory, every, replay)
+        if replay:
+            log.warning("replaying %d logged training steps (of steps %d..%d) instead of "
+                        "computing them", len(replay), replay[0], replay[-1])  # fmt: skip
 
     def _record(self, record: dict) -> None:
         if self.metrics is not None:

@@ -254,6 +254,7 @@ class RayGroup:
         self.incarnations = [0] * self.num_trainers  # replacements of each rank so far
         self.trainers = [self._new_trainer(w) for w in range(self.num_trainers)]
         self.generation = -1
+        self.update_log: tuple = (None, 0, ())  # (directory, every, steps to replay)
         self.resizes: list[dict] = []  # one record per resize
         self._stop_asked = False  # the trainers were asked to stop after a step (a resize)
         self._next_check = 0.0  # monotonic time of the next look at the membership
@@ -330,6 +331,18 @@ class RayGroup:
         address = ray.get(self.coordinator.address.remote())
         ray.get([t.connect.remote(address, self.generation, self.coordinator, self.progress_s)
                  for t in self.trainers])  # fmt: skip
+        if self.update_log[1] or self.update_log[2]:  # rank 0 (maybe a new one) writes it
+            ray.get([t.set_update_log.remote(*self.update_log) for t in self.trainers])
+
+    def set_update_log(self, directory: str | None, every: int, replay=()) -> None:
+        """Log every `every`-th training step to `directory` (`recovery.updatelog`) and
+        replay the steps in `replay` from it instead of computing them."""
+        self.update_log = (directory, every, tuple(replay))
+        ray.get([t.set_update_log.remote(*self.update_log) for t in self.trainers])
+
+    def replay_stats(self) -> dict:
+        """Trainer 0's steps replayed from the update log (and seconds), records logged."""
+        return self._robust(lambda: ray.get(self.trainers[0].replay_stats.remote()))
 
     def _runtime(self, rank: int) -> dict:
         c = self.config

@@ -236,6 +236,10 @@ class ClusterConfig:
     # trainers lost mid-run are replaced from a surviving replica (no rollback), at most this
     # many times in a run
     max_recoveries: int = 100
+    # ray backend: trainer 0 logs every k-th training step's reduced gradient and node-state
+    # updates to the run directory's updates/ (0: no log); when every trainer is lost the
+    # steps since the checkpoint are replayed from it instead of computed (recovery.updatelog)
+    update_log_every: int = 0
     # faults to inject (tests, drills): [{"trainer": w, "step": s, "at": "forward" |
     # "allreduce" | "after_step"}]: trainer w's process kills itself (SIGKILL) at that
     # point of its training step s (counted from 0 over the run); "incarnation": k targets
