@@ -82,16 +82,18 @@ class IdMap:
 
     @classmethod
     def for_ids(cls, ids: np.ndarray | torch.Tensor) -> IdMap:
-        """A map whose identity bound suits `ids` (the ids a stream starts with)."""
-        ids = _numpy(ids)
-        if ids.size == 0:
+        """A map whose identity bound suits `ids` (the ids a stream starts with); memory in
+        proportion to the ids (distinct ones are counted only when the bound could hold)."""
+        ids = _numpy(ids).reshape(-1)
+        plain = ids >= 0
+        if not plain.any():
             return cls()
-        plain = ids[ids >= 0]
-        if plain.size == 0:
+        top = int(ids.max(initial=-1, where=plain)) + 1
+        if top > 2 * ids.size + _SLACK:  # more than 2 * distinct + slack whatever they are
             return cls()
-        top = int(plain.max()) + 1
-        distinct = np.unique(plain).size
-        return cls(top if top <= 2 * distinct + _SLACK else 0)
+        seen = np.zeros(top, dtype=bool)
+        seen[ids[plain]] = True
+        return cls(top if top <= 2 * int(seen.sum()) + _SLACK else 0)
 
     def __len__(self) -> int:
         """Dense ids handed out: one past the largest."""
@@ -117,10 +119,15 @@ class IdMap:
             out[outside] = self._lookup_add(flat[outside])
         return torch.from_numpy(out.reshape(array.shape))
 
-    def map_events(self, src, dst) -> tuple[torch.Tensor, torch.Tensor]:
-        """(src, dst) of events mapped, new ids in order of first appearance, src before dst."""
-        both = self.map(np.stack([_numpy(src), _numpy(dst)], 1))
-        return both[:, 0].contiguous(), both[:, 1].contiguous()
+    def map_events(self, src, dst, chunk: int = 1 << 20) -> tuple[torch.Tensor, torch.Tensor]:
+        """(src, dst) of events mapped, new ids in order of first appearance, src before dst;
+        `chunk` events at a time (the same ids; bounded temporary memory)."""
+        src, dst = _numpy(src), _numpy(dst)
+        out_src, out_dst = np.empty_like(src), np.empty_like(dst)
+        for lo in range(0, src.size, chunk):
+            both = self.map(np.stack([src[lo : lo + chunk], dst[lo : lo + chunk]], 1)).numpy()
+            out_src[lo : lo + chunk], out_dst[lo : lo + chunk] = both[:, 0], both[:, 1]
+        return torch.from_numpy(out_src), torch.from_numpy(out_dst)
 
     def _lookup_add(self, x: np.ndarray) -> np.ndarray:
         dense, found = self._find(x)

@@ -28,10 +28,14 @@ the learner checkpoints it.
 
 from __future__ import annotations
 
+import ctypes
+import dataclasses
 import logging
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import pyarrow as pa
 import torch
 
 from tidegraph.data import bundled_names, bundled_path, is_bundled
@@ -108,7 +112,20 @@ def load_stream(
     _require_events(events, path)
     stream = stream_of(events, path.name, reader.id_map)
     stream.rows_read = reader.stats.rows_read
+    _give_back_memory()
     return stream
+
+
+def _give_back_memory() -> None:
+    """Return the memory the load freed (chunks, batches joined, mapping temporaries) to the
+    system: pyarrow's pool and glibc's heap keep freed pages (the job raises glibc's trim
+    threshold for speed), so without this a run's RSS would stay at the load's peak."""
+    pa.default_memory_pool().release_unused()
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):  # not glibc
+            pass
 
 
 def _order(window: int | None, path: Path) -> dict:
@@ -134,6 +151,8 @@ def _read(reader, max_events: int | None) -> EventBatch:
         count += len(batch)
         if max_events is not None and count >= max_events:
             break  # closes the reader's pass: its file and quarantine are closed
+        if len(batches) % 16 == 0:  # what parsing freed goes back before the next chunks
+            _give_back_memory()
     rows = reader.stats.rows_read
     if max_events is not None and count >= max_events:
         log.info("%s: read %d rows for the first %d events (--max-events); the rest of the "
@@ -142,9 +161,24 @@ def _read(reader, max_events: int | None) -> EventBatch:
         log.info("%s: read %d rows, %d events", reader.path, rows, count)
     if not batches:
         return _no_events()
-    events = batches[0] if len(batches) == 1 else EventBatch.cat(batches)
-    del batches
+    _give_back_memory()
+    events = _joined(batches)
+    _give_back_memory()
     return events if max_events is None else events.select(slice(0, max_events))
+
+
+def _joined(batches: list[EventBatch]) -> EventBatch:
+    """One batch of `batches` (emptied), joined a field at a time: the parts of a field are
+    freed once it is joined, so the peak is the events plus one field, not twice the events."""
+    names = [f.name for f in dataclasses.fields(EventBatch)]
+    parts = {name: [getattr(b, name) for b in batches] for name in names}
+    batches.clear()
+    out = {}
+    for name in names:
+        values = parts.pop(name)
+        out[name] = None if values[0] is None else torch.cat(values)
+        del values
+    return EventBatch(**out)
 
 
 def _no_events() -> EventBatch:
@@ -179,7 +213,9 @@ def stream_of(events: EventBatch, name: str, idmap: IdMap | None = None) -> Stre
     events.eid = torch.arange(len(events))
     if idmap is None:
         idmap = IdMap.for_ids(torch.stack([events.src, events.dst]))
-        events.src, events.dst = idmap.map_events(events.src, events.dst)
+        low = min(int(events.src.min()), int(events.dst.min())) if len(events) else 0
+        if not (idmap.identity_bound and low >= 0):  # ids below the bound stay: no copy
+            events.src, events.dst = idmap.map_events(events.src, events.dst)
     feat = events.edge_feat
     edge_dim = 0 if feat is None else int(feat.shape[1])
     stream = Stream(events=events, num_nodes=_num_nodes(events), edge_dim=edge_dim, name=name,
