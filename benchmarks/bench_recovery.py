@@ -64,6 +64,8 @@ SCENARIOS = (
     "after_step",
     "hang",
     "restart",
+    "replay",
+    "logging",
     "node",
 )
 MARKS: dict = {}  # what the wrappers below saw during the current run
@@ -131,13 +133,16 @@ def config(args, faults=(), **cluster) -> RunConfig:
     })  # fmt: skip
 
 
-def run(cfg: RunConfig, stream, during=None) -> dict:
-    """A whole run; `during(learner, stop)` runs in a thread from when the group is up."""
+def run(cfg: RunConfig, stream, during=None, update_log: str | None = None) -> dict:
+    """A whole run; `during(learner, stop)` runs in a thread from when the group is up;
+    `update_log`: a directory trainer 0 writes the update log to (`update_log_every`)."""
     MARKS.clear()
     MARKS["pass_started"] = threading.Event()
     set_determinism(cfg.seed, threads=1)
     t0 = time.perf_counter()
     learner = ContinualLearner(cfg, stream)
+    if update_log is not None:
+        learner.group.set_update_log(update_log, cfg.cluster.update_log_every, ())
     stop = threading.Event()
     thread = None
     if during is not None:
@@ -289,13 +294,17 @@ def step_seconds(got: dict) -> tuple[float, float]:
     return seconds / steps, steps
 
 
-def scenario_restart(args, stream, base: dict, step_s: float) -> dict:
+def scenario_restart(args, stream, base: dict, step_s: float, log_every: int = 0) -> dict:
     """Both trainers lost late in the run: the `Orchestrator` restarts the whole group from
     its newest checkpoint. Timed on that path: teardown of the old group, start of the new
-    one, checkpoint read and load; recomputation is computed for a 100-step interval."""
+    one, checkpoint read and load; recomputation is computed for a 100-step interval. With
+    `log_every` (the update log), checkpoints are taken after phase 1 only, so the restart
+    replays the logged steps of every increment up to the failure: their replay seconds are
+    measured against the computed steps' seconds."""
     late = base["steps"] - args.restart_back
-    cfg = config(args, [{"trainer": w, "step": late, "at": "forward"} for w in (0, 1)])
-    cfg.checkpoint_every = 1
+    cfg = config(args, [{"trainer": w, "step": late, "at": "forward"} for w in (0, 1)],
+                 update_log_every=log_every)  # fmt: skip
+    cfg.checkpoint_every = 1000 if log_every else 1
     MARKS.clear()
     MARKS["pass_started"] = threading.Event()
     set_determinism(cfg.seed, threads=1)
@@ -317,8 +326,13 @@ def scenario_restart(args, stream, base: dict, step_s: float) -> dict:
             got = {"model": learner.group.model_state(), "steps": learner.cursor.step,
                    "trainer_steps": learner.group._all("__getattribute__", "steps"),
                    "history": learner.history}  # fmt: skip
-            ckpt_bytes = sum(p.stat().st_size for p in Path(tmp).rglob("*.pt"))
-            ckpts = len(list(Path(tmp).rglob("*.pt")))
+            records = list(Path(tmp).rglob("updates/step-*.pt"))
+            replay = learner.group.replay_stats() if log_every else {}
+            plan = list(orch.replay_plan)
+            ckpts_found = [p for p in Path(tmp).rglob("*.pt") if p not in records]
+            ckpt_bytes = sum(p.stat().st_size for p in ckpts_found)
+            ckpts = len(ckpts_found)
+            record_bytes = sum(p.stat().st_size for p in records) / max(len(records), 1)
         finally:
             orch.close()
     m = MARKS
@@ -334,8 +348,20 @@ def scenario_restart(args, stream, base: dict, step_s: float) -> dict:
     draws = [rng.randrange(args.interval) for _ in range(args.draws)]
     recompute = [k * step_s for k in draws]
     fixed = teardown + start + read + load
+    logged = {}
+    if log_every:
+        per_step = replay["replay_s"] / max(replay["replayed"], 1)
+        logged = {
+            "update_log_every": log_every, "replay_plan_steps": len(plan),
+            "replayed": replay["replayed"], "replay_s": replay["replay_s"],
+            "replay_s_per_step": per_step, "computed_s_per_step": step_s,
+            "replay_speedup": step_s / per_step if per_step else None,
+            "record_bytes": record_bytes, "records": len(records),
+            "recompute_same_steps_s": len(plan) * step_s,
+        }  # fmt: skip
     return {
-        "scenario": "restart", **same_run(got, base), "wall_s": wall,
+        "scenario": f"replay_k{log_every}" if log_every else "restart", **logged,
+        **same_run(got, base), "wall_s": wall,
         "extra_wall_s": wall - base["wall"], "restarts": orch.restarts,
         "teardown_s": teardown, "group_start_s": start, "checkpoint_read_s": read,
         "state_load_s": load, "restart_fixed_s": fixed, "group_start_parts_s": parts,
@@ -438,6 +464,9 @@ def main() -> None:
     p.add_argument("--draws", type=int, default=5, help="seeded failure steps in it")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--restart-back", type=int, default=3, help="baseline: steps before end")
+    p.add_argument(
+        "--replay-every", default="1,4", help="`replay` scenario: update-log intervals k to measure"
+    )
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     _instrument()
@@ -489,6 +518,21 @@ def main() -> None:
             save(args, rows)
         if "restart" in todo:
             row = scenario_restart(args, stream, base, step_s)
+            print(row)
+            rows.append(row)
+            save(args, rows)
+        for k in (int(x) for x in args.replay_every.split(",") if x) if "replay" in todo else ():
+            row = scenario_restart(args, stream, base, step_s, log_every=k)
+            print(row)
+            rows.append(row)
+            save(args, rows)
+        if "logging" in todo:  # failure-free overhead of writing the update log
+            with tempfile.TemporaryDirectory() as tmp:
+                got = run(config(args, update_log_every=1), stream, update_log=tmp)
+            log_s, _ = step_seconds(got)
+            row = {"scenario": "logging", "s_per_step": log_s, "base_s_per_step": step_s,
+                   "train_events_per_s": args.batch_size / log_s,
+                   "overhead": log_s / step_s - 1, "wall_s": got["wall"]}  # fmt: skip
             print(row)
             rows.append(row)
             save(args, rows)
