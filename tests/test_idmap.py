@@ -14,6 +14,7 @@ from tidegraph.jobs.train import main
 from tidegraph.storage.eventlog import EventLog
 from tidegraph.storage.events import EventBatch
 from tidegraph.storage.idmap import IdMap, check_ids
+from tidegraph.storage.ingest import LoaderError, load_events
 from tidegraph.storage.partition import HashPartitioner, LDGPartitioner
 from tidegraph.training.config import RunConfig
 from tidegraph.training.continual import ContinualLearner
@@ -263,3 +264,25 @@ def test_string_ids_train_through_the_job(tmp_path, capsys):
     # without the flag, text ids are a clear error naming the row
     code = run(tmp_path / "again", "--dataset", str(path))
     assert code == 2 and "non-numeric id" in capsys.readouterr().err
+
+
+def test_the_loaders_accept_negative_ids_only_when_asked_and_never_in_jodie(tmp_path):
+    path = tmp_path / "e.csv"
+    path.write_text("src,dst,t\n-3,4,1.0\n5,-9223372036854775808,2.0\n")
+    with pytest.raises(LoaderError, match="line 2: negative id: -3"):
+        load_events(path)
+    ev = load_events(path, negative_ids=True)
+    assert ev.src.tolist() == [-3, 5] and ev.dst.tolist() == [4, I64.min]
+    jodie = tmp_path / "j.csv"
+    jodie.write_text("user_id,item_id,timestamp,state_label\n1,-2,1.0,0\n")
+    with pytest.raises(LoaderError, match="negative id"):  # items shift by the user count
+        load_events(jodie, negative_ids=True)
+    with pytest.raises(LoaderError, match="string ids do not apply to format 'jodie'"):
+        load_events(jodie, string_ids=True)
+
+
+def test_string_ids_cannot_be_followed(tmp_path, capsys):
+    inbox = tmp_path / "inbox"
+    inbox.mkdir()
+    assert run(tmp_path, "--follow", str(inbox), "--string-ids") == 2
+    assert "string ids" in capsys.readouterr().err
