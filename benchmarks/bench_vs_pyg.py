@@ -19,7 +19,8 @@ Protocols: by default tidegraph samples neighbours strictly before each event's 
 an event sees earlier events of its own batch (TGL's convention); PyG's TGN lets no event see
 anything of its own batch. `--history batch` (`sampler.history: batch`) runs tidegraph under
 PyG's protocol, like for like. `--root-dedup` sets `sampler.root_dedup` (each distinct
-(node, time) root of a batch embedded once); `--no-pyg` times tidegraph alone.
+(node, time) root of a batch embedded once), `--also-root-dedup` adds a second tidegraph run
+with another setting whose epochs alternate with the first's; `--no-pyg` times tidegraph alone.
 
 Needs torch_geometric (not a tidegraph dependency): run it in an environment that has it,
 e.g. `python -m venv --system-site-packages /tmp/pygenv && /tmp/pygenv/bin/pip install
@@ -172,6 +173,9 @@ def main() -> None:
                    help="tidegraph's sampler.history (batch: PyG's protocol)")  # fmt: skip
     p.add_argument("--root-dedup", choices=("auto", "always", "never"), default="auto",
                    help="tidegraph's sampler.root_dedup")  # fmt: skip
+    p.add_argument("--also-root-dedup", choices=("auto", "always", "never"), default=None,
+                   help="a second tidegraph run with this root_dedup, its epochs alternating "
+                   "with the first's (a paired timing under the same load)")  # fmt: skip
     p.add_argument("--no-pyg", action="store_true", help="time tidegraph alone")
     args = p.parse_args()
     tune_host_allocator()  # as the job does (in bench_vs_pyg: for both systems, one process)
@@ -182,24 +186,8 @@ def main() -> None:
     ev = stream.events
     n = len(ev)
     train_end, val_end = int(0.70 * n), int(0.70 * n) + int(0.15 * n)
-    cfg = RunConfig.from_dict(
-        {
-            "model": {"name": "tgn", "time_trainable": args.trainable_time_encoding},
-            "sampler": {"history": args.history, "root_dedup": args.root_dedup},
-            "train": {"batch_size": args.batch_size, "lr": args.lr, "epochs": args.epochs},
-            "seed": args.seed,
-            "device": args.device,
-            # deterministic mode is process-wide: on CUDA it would also put PyG's scatters on
-            # slower deterministic kernels, so it is off there (CPU kernels are unaffected)
-            "deterministic": device.type == "cpu",
-            "out_dir": None,
-            "progress": False,
-        }
-    )
-    ours = ContinualLearner(cfg, stream)
-    ours.negatives.pool = torch.arange(int(ev.dst.min()), int(ev.dst.max()) + 1)
-    ours.ingest(0, n)
-    ours.negatives.pool = torch.arange(int(ev.dst.min()), int(ev.dst.max()) + 1)
+    modes = [args.root_dedup] + ([args.also_root_dedup] if args.also_root_dedup else [])
+    ours = {f"tidegraph/{m}": _ours(args, stream, m) for m in modes}
 
     torch.manual_seed(args.seed)
     # PyG's message store cannot hold zero-width messages; one zero column carries nothing
@@ -209,49 +197,47 @@ def main() -> None:
     dst_range = (int(ev.dst.min()), int(ev.dst.max()))
     mk = lambda lo, hi: _pyg_batches(ev, lo, hi, args.batch_size, dst_range, gen, device)
 
-    times = {"tidegraph": [], "pyg": []}
+    times = {name: [] for name in ours} | {"pyg": []}
     for epoch in range(args.epochs):
-        ours.model.reset_state()
-        sync(device)
-        t0 = time.perf_counter()
-        ours.train_pass(0, train_end, f"tidegraph epoch {epoch + 1}")
-        sync(device)
-        times["tidegraph"].append(time.perf_counter() - t0)
-        ours.eval_pass(train_end, val_end, "tidegraph val", observe=True)
-        if pyg is None:
-            print(f"epoch {epoch + 1}: tidegraph {times['tidegraph'][-1]:.2f} s", flush=True)
-            continue
-        batches = mk(0, train_end)
-        sync(device)
-        t0 = time.perf_counter()
-        pyg.train_epoch(batches)
-        sync(device)
-        times["pyg"].append(time.perf_counter() - t0)
-        pyg.evaluate(mk(train_end, val_end))
-        print(
-            f"epoch {epoch + 1}: tidegraph {times['tidegraph'][-1]:.1f} s, "
-            f"PyG {times['pyg'][-1]:.1f} s",
-            flush=True,
-        )
-    ours_test = ours.eval_pass(val_end, n, "tidegraph test", observe=True)
-    label = f"tidegraph TGN ({args.history} history)"
-    rows = [_row(label, ours_test, times["tidegraph"])]
+        for name, learner in ours.items():
+            learner.model.reset_state()
+            sync(device)
+            t0 = time.perf_counter()
+            learner.train_pass(0, train_end, f"{name} epoch {epoch + 1}")
+            sync(device)
+            times[name].append(time.perf_counter() - t0)
+            learner.eval_pass(train_end, val_end, f"{name} val", observe=True)
+        if pyg is not None:
+            batches = mk(0, train_end)
+            sync(device)
+            t0 = time.perf_counter()
+            pyg.train_epoch(batches)
+            sync(device)
+            times["pyg"].append(time.perf_counter() - t0)
+            pyg.evaluate(mk(train_end, val_end))
+        shown = ", ".join(f"{k} {v[-1]:.2f} s" for k, v in times.items() if v)
+        print(f"epoch {epoch + 1}: {shown}", flush=True)
+    tests = {name: learner.eval_pass(val_end, n, f"{name} test", observe=True)
+             for name, learner in ours.items()}  # fmt: skip
+    rows = [_row(f"tidegraph TGN ({args.history} history, root_dedup {name.split('/')[1]})",
+                 test, times[name]) for name, test in tests.items()]  # fmt: skip
     if pyg is not None:
         rows.append(_row("PyG TGN", pyg.evaluate(mk(val_end, n)), times["pyg"]))
     print(
         f"\n{stream.name}: {n} events, split 70/15/15, batch {args.batch_size}, "
-        f"{args.epochs} epochs, lr {args.lr}, history {args.history}, root_dedup "
-        f"{args.root_dedup}, {machine()}"
+        f"{args.epochs} epochs, lr {args.lr}, history {args.history}, {machine()}"
     )
     print_table(rows)
     speedup = None
     if pyg is not None:
-        speedup = rows[1]["epoch_s"] / rows[0]["epoch_s"]
-        ap_diff = 100 * (rows[0]["test_ap"] - rows[1]["test_ap"])
+        speedup = rows[-1]["epoch_s"] / rows[0]["epoch_s"]
+        ap_diff = 100 * (rows[0]["test_ap"] - rows[-1]["test_ap"])
         print(
             f"epoch speedup (PyG / tidegraph): {speedup:.2f}x; "
             f"AP difference (tidegraph - PyG): {ap_diff:+.2f} points"
         )
+    if len(ours) == 2:
+        print(f"epoch time {modes[1]} / {modes[0]}: {rows[1]['epoch_s'] / rows[0]['epoch_s']:.3f}")
     path = write_json(
         f"vs_pyg_{_file_part(args.dataset)}_{device.type}{_suffix(args)}.json",
         {
@@ -261,10 +247,34 @@ def main() -> None:
             "rows": rows,
             "epoch_times": times,
             "speedup": speedup,
-            "tidegraph_test": ours_test,
+            "tidegraph_test": tests[f"tidegraph/{modes[0]}"],
         },
     )
     print(f"wrote {path}")
+
+
+def _ours(args, stream, root_dedup: str) -> ContinualLearner:
+    """tidegraph's learner over the whole stream (ingested; negatives from PyG's range)."""
+    cfg = RunConfig.from_dict(
+        {
+            "model": {"name": "tgn", "time_trainable": args.trainable_time_encoding},
+            "sampler": {"history": args.history, "root_dedup": root_dedup},
+            "train": {"batch_size": args.batch_size, "lr": args.lr, "epochs": args.epochs},
+            "seed": args.seed,
+            "device": args.device,
+            # deterministic mode is process-wide: on CUDA it would also put PyG's scatters on
+            # slower deterministic kernels, so it is off there (CPU kernels are unaffected)
+            "deterministic": torch.device(args.device).type == "cpu",
+            "out_dir": None,
+            "progress": False,
+        }
+    )
+    ev = stream.events
+    ours = ContinualLearner(cfg, stream)
+    ours.negatives.pool = torch.arange(int(ev.dst.min()), int(ev.dst.max()) + 1)
+    ours.ingest(0, len(ev))
+    ours.negatives.pool = torch.arange(int(ev.dst.min()), int(ev.dst.max()) + 1)
+    return ours
 
 
 def _row(system: str, test: dict, epoch_times: list[float]) -> dict:
@@ -290,6 +300,7 @@ def _suffix(args) -> str:
     parts = ["_trainable_time" if args.trainable_time_encoding else ""]
     parts.append("_batch_history" if args.history == "batch" else "")
     parts.append("" if args.root_dedup == "auto" else f"_root_dedup_{args.root_dedup}")
+    parts.append(f"_vs_{args.also_root_dedup}" if args.also_root_dedup else "")
     parts.append("_no_pyg" if args.no_pyg else "")
     return "".join(parts)
 
