@@ -94,30 +94,42 @@ def test_event_log_is_atomic_per_batch_and_idempotent(tmp_path):
 @pytest.mark.slow
 def test_a_ray_run_whose_driver_is_killed_resumes_to_the_local_result(tmp_path):
     """The driver process dies (SIGKILL) after its first checkpoints; the same command with
-    --resume in a new process ends with the metrics an uninterrupted local run gives."""
+    --resume in a new process ends with the metrics an uninterrupted local run gives. The run
+    keeps an update log, so the resumed one replays the logged steps since its checkpoint
+    instead of computing them."""
     import os
     import signal
     import time
 
     assert _main(ARGS + ["--storage", str(tmp_path), "--run-name", "local"]) == 0
     ray_args = [a if a != "local" else "ray" for a in ARGS]  # --backend ray
+    yaml_path = tmp_path / "log.yaml"
+    yaml_path.write_text("cluster:\n  update_log_every: 1\n")
     cmd = [sys.executable, "-m", "tidegraph.jobs.train", *ray_args, "--storage", str(tmp_path),
-           "--run-name", "cut", "--metrics-port", "-1"]  # fmt: skip
+           "--run-name", "cut", "--metrics-port", "-1", "--config", str(yaml_path),
+           "--checkpoint-every", "2"]  # fmt: skip
     env = {**os.environ, "RAY_ADDRESS": ""}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)  # fmt: skip
     latest = tmp_path / "cut" / "checkpoints" / "latest"
-    deadline = time.monotonic() + 240
+    updates = tmp_path / "cut" / "updates"
+    deadline, at_phase1 = time.monotonic() + 240, None
     while time.monotonic() < deadline and proc.poll() is None:
-        if latest.exists() and latest.read_text().startswith("increment"):
-            break
-        time.sleep(0.1)
+        # cut after the phase-1 checkpoint, once steps since it are logged (the next
+        # checkpoint comes after increment 2)
+        if latest.exists() and latest.read_text().startswith("phase1"):
+            logged = len(list(updates.glob("step-*.pt")))
+            at_phase1 = logged if at_phase1 is None else at_phase1
+            if logged >= at_phase1 + 3:
+                break
+        time.sleep(0.005)
     assert proc.poll() is None, "the run ended before it could be cut"
     os.killpg(proc.pid, signal.SIGKILL)  # the driver and the local Ray it started
     proc.wait(timeout=30)
     done = subprocess.run(cmd + ["--resume"], env=env, capture_output=True, text=True,
                           timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
+    assert "logged training steps" in done.stderr and "instead of computing them" in done.stderr
     assert records(tmp_path / "cut") == records(tmp_path / "local")
 
 
