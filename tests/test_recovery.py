@@ -148,6 +148,52 @@ def test_a_shard_sigkilled_mid_pass_is_rebuilt_from_the_log_exactly(ray_session,
     assert_same_run(got, fault_free)  # including every shard's event count
 
 
+def test_a_lost_shard_restarts_from_its_checkpoint_snapshot(
+    ray_session, wiki, fault_free, tmp_path
+):
+    """With a run directory, a shard lost after some increments starts from its state in the
+    newest checkpoint and only the batches ingested since are routed to it again; the run
+    ends bitwise as the fault-free one, every shard holding the log's events."""
+    cfg = config()
+    cfg.checkpoint_every = 1
+    set_determinism(7, threads=1)
+    orchestrator = Orchestrator(cfg, wiki, run_dir=RunDir(str(tmp_path), "snapshot"))
+    killed = threading.Event()
+
+    def kill_later() -> None:
+        for _ in range(60000):  # bounded: until increment 2's passes run
+            learner = orchestrator.learner
+            if learner is not None and learner.cursor.increment >= 2:
+                pid = ray.get(learner.group.shards[1].pid.remote())
+                os.kill(pid, signal.SIGKILL)
+                killed.set()
+                return
+            time.sleep(0.001)
+
+    default, RayGroup.progress_s = RayGroup.progress_s, 0.01
+    thread = threading.Thread(target=kill_later, daemon=True)
+    thread.start()
+    try:
+        for _ in range(200):  # bounded
+            if orchestrator.step() in (RunState.FINISHED, RunState.ERRORED):
+                break
+        assert orchestrator.state is RunState.FINISHED, orchestrator.error
+        learner = orchestrator.learner
+        got = {"model": learner.group.model_state(), "history": learner.history,
+               "steps": learner.cursor.step,
+               "shard_events": learner.group.report(wiki.events.src, wiki.events.dst)}  # fmt: skip
+        rebuilt = [e for e in learner.group.recoveries if "snapshot" in e]
+    finally:
+        RayGroup.progress_s = default
+        thread.join(timeout=30)
+        orchestrator.close()
+    assert killed.is_set()
+    (event,) = rebuilt
+    assert event["lost_shards"] == [1] and event["snapshot"]
+    assert event["replayed_batches"] < len(learner.group.ingests)
+    assert_same_run(got, fault_free)
+
+
 def test_a_lost_shard_with_a_replica_is_replaced_by_it_exactly(ray_session, wiki, fault_free):
     """`cluster.shard_replicas: 2`: shard 1 SIGKILLed mid-pass; its replica (which took
     every ingest) takes its place without replaying the log, and the run is bitwise the

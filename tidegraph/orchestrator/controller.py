@@ -151,6 +151,8 @@ class Orchestrator:
                 self.run_dir.save_config(self.config.to_dict())
             self._open_update_log()
             g = self.learner.group
+            if self.run_dir is not None and hasattr(g, "snapshot_source"):
+                g.snapshot_source = self._group_snapshot
             log.info(
                 "placed %d shards and %d trainers (%s backend, node state %s)",
                 g.num_shards, g.num_trainers, self.config.cluster.backend,
@@ -181,6 +183,12 @@ class Orchestrator:
             log.info("live source: no new file in %.0f s; finishing", self.follow_timeout)
         self.result = learner.summary()
         return RunState.FINISHED
+
+    def _group_snapshot(self) -> dict | None:
+        """The group state of the newest checkpoint (a lost shard's snapshot), or None."""
+        if self.run_dir.latest_name() is None:
+            return None
+        return self.run_dir.load_checkpoint()["learner"]["group"]
 
     def _open_update_log(self) -> None:
         """With `cluster.update_log_every`, trainer 0 logs training steps to the run

@@ -188,6 +188,9 @@ class RayGroup:
         self.num_rows = 0
         self.ingests: list[tuple] = []  # (lo, hi, feature-rounding state) of every ingest
         self.replay_source = None  # (lo, hi) -> the stream's events [lo, hi)
+        # () -> the newest checkpoint's group state (its shards' states and ingests) or
+        # None: a lost shard starts from its snapshot there and replays only later ingests
+        self.snapshot_source = None
         self.recoveries: list[dict] = []  # one record per trainer recovery
         self._stale: set[int] = set()  # trainers whose copy of a replica is not complete
         self._stale_shards: set[int] = set()  # shards rebuilt but not yet checked
@@ -1071,10 +1074,14 @@ class RayGroup:
         self._stale_shards = set(lost)
         for p in lost:
             self.shards[p] = self._new_shard(p)
+        snap, start = self._snapshot()
         expected = dict.fromkeys(lost, 0)
+        if snap is not None:  # each lost shard as the checkpoint holds it, then the rest
+            ray.get([self.shards[p].load_state_dict.remote(snap["shards"][p]) for p in lost])
+            expected = {p: snap["shards"][p]["num_events"] for p in lost}
         gen = torch.Generator()
         calls = []
-        for lo, hi, state in self.ingests:
+        for lo, hi, state in self.ingests[start:]:
             gen.set_state(state)
             events = self.replay_source(lo, hi)
             pieces = route_batch(self.partitioner, events, self.config.data.feature_precision,
@@ -1090,11 +1097,29 @@ class RayGroup:
         ray.get([t.replace_shard.remote(p, self.shards[p]) for t in live for p in lost])
         self._refresh(self.num_nodes, live, recovering=True)  # replacements get them new
         log.warning(
-            "shard recovery: rebuilt %s from %d logged batches (%s events); %.2f s",
-            lost, len(self.ingests), held, time.perf_counter() - t0,
+            "shard recovery: rebuilt %s from %s and %d logged batches (%s events); %.2f s",
+            lost, "the checkpoint's snapshot" if snap is not None else "nothing",
+            len(self.ingests) - start, held, time.perf_counter() - t0,
         )  # fmt: skip
-        self.recoveries.append({"lost_shards": lost, "events": held,
+        self.recoveries.append({"lost_shards": lost, "events": held, "snapshot": snap is not None,
+                                "replayed_batches": len(self.ingests) - start,
                                 "seconds": time.perf_counter() - t0})  # fmt: skip
+
+    def _snapshot(self) -> tuple[dict | None, int]:
+        """The newest checkpoint's group state, if it is a prefix of this run's ingests (same
+        spans), and how many ingests it covers; (None, 0) without one."""
+        if self.snapshot_source is None:
+            return None, 0
+        snap = self.snapshot_source()
+        if snap is None:
+            return None, 0
+        n = len(snap["ingests"])
+        spans = [tuple(x[:2]) for x in snap["ingests"]]
+        if n > len(self.ingests) or spans != [tuple(x[:2]) for x in self.ingests[:n]]:
+            log.warning("shard recovery: the checkpoint's shards are not a prefix of this run's "
+                        "ingests; replaying every batch")  # fmt: skip
+            return None, 0
+        return snap, n
 
     def _wait_pass(self, refs: list, progress) -> list:
         """The trainers' results of a pass; meanwhile `progress` gets the steps trainer 0
