@@ -11,8 +11,9 @@ Rules (stated here once; `tidegraph.training.data` and the learner follow them):
   the next free dense id (identity_bound, identity_bound + 1, ...) the first time it is seen,
   in order of first appearance: events in stream order, src before dst. `for_ids` chooses the
   bound from the ids a stream starts with: max id + 1 when its ids are already nearly dense
-  (non-negative ids with max + 1 <= 2 * distinct + 1024, as the bundled datasets are), else 0
-  (every id mapped). So dense data keeps its ids bitwise, and one id of 1e9 among small ids
+  (non-negative ids with max + 1 <= 2 * distinct + 65,536, as the bundled datasets and files
+  with ids below 65,536 are), else 0 (every id mapped). So dense data keeps its ids bitwise,
+  a node table wastes at most half its rows plus 65,536, and one id of 1e9 among small ids
   costs one table row, not a billion.
 - Mapping is idempotent: mapping a stream's dense ids again through a fresh map gives the same
   ids (they are dense, so the bound covers them, and later ones appear in the order they were
@@ -40,7 +41,9 @@ import torch
 
 __all__ = ["IdMap", "check_ids"]
 
-_SLACK = 1024  # ids a dense stream may skip and still be kept as they are
+# ids a stream may skip and still keep its ids: files with ids below 65,536 keep them (a
+# node table of that many rows is small), and one huge id among small ones is still mapped
+_SLACK = 1 << 16
 
 
 def check_ids(
