@@ -172,3 +172,46 @@ def test_rapid_resize_requests_leave_a_consistent_group(ray_session, wiki, fixed
     assert got["recoveries"] == []
     assert len(set(got["trainer_steps"])) == 1  # every member ends at the same step
     assert_close_run(got, fixed)
+
+
+def test_the_linear_rule_scales_batch_and_learning_rate_with_the_group(
+    ray_session, wiki, quick_polls
+):
+    """`cluster.scale_rule: linear`: the group shrinks from 2 trainers to 1, so each trainer
+    keeps its share: the learning rate halves at once and the later increments train with
+    half the global batch; a checkpoint of that run resumes with both."""
+    import threading
+
+    from tidegraph.training import ContinualLearner
+
+    cfg = config({"min": 1, "max": 2}, scale_rule="linear")
+    base_batch, base_lr = cfg.train.batch_size, cfg.train.lr
+    learner = ContinualLearner(cfg, wiki)
+    try:
+        during = threading.Thread(target=wants(1, first=0.3), args=(learner,), daemon=True)
+        during.start()
+        learner.run_phase1()
+        while not learner.done:
+            learner.step()
+        during.join(timeout=60)
+        group = learner.group
+        assert [(r["from"], r["to"]) for r in group.resizes] == [(2, 1)]
+        assert group.train_batch_size == base_batch // 2
+        lrs = ray.get(group.trainers[0].call.remote("__getattribute__", "optimizer"))
+        assert lrs.param_groups[0]["lr"] == pytest.approx(base_lr / 2)
+        ((unit, batch),) = learner.rebatches
+        assert batch == base_batch // 2
+        train = [u for u in learner.schedule.units if u.kind == "train"]
+        assert all(u.hi - u.lo <= batch for u in learner.schedule.units[unit:] if u in train)
+        assert any(u.hi - u.lo > batch for u in train)  # before the resize: the whole batch
+        assert learner.cursor.step == len(train)  # every step of the schedule ran once
+        state = learner.state_dict()
+    finally:
+        learner.group.shutdown()
+    again = ContinualLearner(config({"min": 1, "max": 1}, scale_rule="linear"), wiki)
+    try:
+        again.load_state_dict(state)
+        assert again.schedule.units == learner.schedule.units
+        assert again.group.start_trainers == 2 and again.group.train_batch_size == batch
+    finally:
+        again.group.shutdown()

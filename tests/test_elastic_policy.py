@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tidegraph.elastic import ResizeDecision, plan_resize
+from tidegraph.elastic import ResizeDecision, plan_resize, scaled
 
 CASES = [
     # world, target, ready slots, draining {rank: node} -> leave, join (None: no change)
@@ -46,3 +46,51 @@ def test_reasons_name_the_draining_node_and_the_target():
     assert "b1e3f0a9c4d2" in got.reason and "draining" in got.reason
     got = plan_resize(3, 1, 0, {})
     assert "target 1" in got.reason
+
+
+@pytest.mark.parametrize(
+    ("rule", "start", "world", "want"),
+    [
+        ("keep_batch", 2, 1, (200, 1e-3)),
+        ("keep_batch", 2, 4, (200, 1e-3)),
+        ("linear", 2, 1, (100, 5e-4)),
+        ("linear", 2, 4, (400, 2e-3)),
+        ("sqrt", 1, 4, (800, 2e-3)),
+        ("sqrt", 4, 1, (50, 5e-4)),
+        ("linear", 3, 3, (200, 1e-3)),
+    ],
+)
+def test_scale_rules(rule, start, world, want):
+    batch, lr = scaled(rule, 200, 1e-3, start, world)
+    assert batch == want[0] and lr == pytest.approx(want[1])
+
+
+def test_an_unknown_scale_rule_names_the_field():
+    with pytest.raises(ValueError, match="cluster.scale_rule"):
+        scaled("cubic", 200, 1e-3, 1, 2)
+
+
+def test_rebatch_makes_the_later_increments_training_passes_anew():
+    """Training passes after the rebatch point use the new global batch; evaluation passes,
+    earlier units and the step numbers before it are kept, and steps stay consecutive."""
+    import torch
+
+    from tidegraph.training.config import ContinualConfig
+    from tidegraph.training.schedule import Schedule
+
+    t = torch.arange(3000, dtype=torch.float64)
+    cfg = ContinualConfig(num_increments=3)
+    schedule = Schedule(t, cfg, 100, 1)
+    at = next(i for i, u in enumerate(schedule.units) if u.kind == "increment_end") + 1
+    before = list(schedule.units[:at])
+    schedule.rebatch(at, 50)
+    assert schedule.units[:at] == before
+    later = schedule.units[at:]
+    train = [u for u in later if u.kind == "train"]
+    evals = [u for u in later if u.kind == "eval"]
+    assert train and all(u.hi - u.lo <= 50 for u in train)
+    assert any(u.hi - u.lo > 50 for u in evals)  # evaluation keeps its batches
+    steps = [u.step for u in schedule.units if u.kind == "train"]
+    assert steps == list(range(len(steps)))
+    with pytest.raises(ValueError, match="does not follow an increment's end"):
+        schedule.rebatch(at + 1, 50)

@@ -70,6 +70,13 @@ class _Trainer:
             self.update_log = UpdateLog(directory, every)
         self.replay_dir, self.replay_steps = directory, frozenset(replay)
 
+    def set_lr(self, lr: float) -> None:
+        """The learning rate from now on (`cluster.scale_rule` after a resize), also for
+        optimizers made later."""
+        self.core.config.train.lr = lr
+        for group in self.core.optimizer.param_groups:
+            group["lr"] = lr
+
     def replay_stats(self) -> dict:
         """Steps replayed from the update log and their seconds; records written, bytes."""
         out = {"replayed": self.replayed, "replay_s": self.replay_s}

@@ -1,5 +1,5 @@
 """Elastic scaling: trainers join and leave a running group at step boundaries."""
 
-from tidegraph.elastic.policy import ResizeDecision, plan_resize
+from tidegraph.elastic.policy import SCALE_RULES, ResizeDecision, plan_resize, scaled
 
-__all__ = ["ResizeDecision", "plan_resize"]
+__all__ = ["SCALE_RULES", "ResizeDecision", "plan_resize", "scaled"]

@@ -19,9 +19,12 @@ draining rank stays (and the run relies on recovery when its node goes).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-__all__ = ["ResizeDecision", "plan_resize"]
+__all__ = ["SCALE_RULES", "ResizeDecision", "plan_resize", "scaled"]
+
+SCALE_RULES = ("keep_batch", "linear", "sqrt")
 
 
 @dataclass(frozen=True)
@@ -63,3 +66,17 @@ def plan_resize(
     if not leave and not join:
         return None
     return ResizeDecision(tuple(leave), join, "; ".join(reasons))
+
+
+def scaled(rule: str, batch: int, lr: float, start: int, world: int) -> tuple[int, float]:
+    """(global training batch, learning rate) at `world` trainers for a run configured with
+    `batch` and `lr` and started at `start` trainers. "keep_batch" (the default) keeps both,
+    so the run's result does not depend on its size; "linear" keeps each trainer's share of
+    the batch (the global batch follows W) and scales the learning rate with it (Goyal et
+    al.; DistTGL, GNNFlow); "sqrt" does the same with the square root of the ratio."""
+    if rule not in SCALE_RULES:
+        raise ValueError(f"cluster.scale_rule must be one of {SCALE_RULES}, got {rule!r}")
+    if rule == "keep_batch" or world == start:
+        return batch, lr
+    ratio = world / start
+    return max(1, round(batch * ratio)), lr * (ratio if rule == "linear" else math.sqrt(ratio))

@@ -31,7 +31,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from tidegraph.actors import CoordinatorActor, GraphShardActor, TrainerActor
-from tidegraph.elastic.policy import ResizeDecision, plan_resize
+from tidegraph.elastic.policy import ResizeDecision, plan_resize, scaled
 from tidegraph.recovery.policy import NoReplicaLeft, plan_trainer_recovery
 from tidegraph.rng import load_generator_state, seed_for, stream
 from tidegraph.storage.events import EventBatch
@@ -336,6 +336,18 @@ class RayGroup:
                  for t in self.trainers])  # fmt: skip
         if self.update_log[1] or self.update_log[2]:  # rank 0 (maybe a new one) writes it
             ray.get([t.set_update_log.remote(*self.update_log) for t in self.trainers])
+        self._scale()
+
+    def _scale(self) -> None:
+        """Global batch and learning rate for the group's size (`cluster.scale_rule`); new
+        members copied a replica's optimizer, and every member gets the rate again."""
+        c, t = self.config.cluster, self.config.train
+        rule = getattr(c, "scale_rule", "keep_batch")
+        self.train_batch_size, lr = scaled(rule, t.batch_size, t.lr, self.start_trainers,
+                                           self.num_trainers)  # fmt: skip
+        if rule != "keep_batch":
+            ray.get([m.set_lr.remote(lr) for m in self.trainers])
+            self.lr = lr
 
     def set_update_log(self, directory: str | None, every: int, replay=()) -> None:
         """Log every `every`-th training step to `directory` (`recovery.updatelog`) and
@@ -1303,6 +1315,7 @@ class RayGroup:
             "feature_gen": self.feature_gen.get_state(),
             "balancer": self.balancer.state_dict(),
             "ingests": list(self.ingests),
+            "start_trainers": self.start_trainers,  # W0 of `cluster.scale_rule`
             "shards": self._robust(lambda: ray.get([s.state_dict.remote() for s in self.shards])),
             "trainers": self._all("state_dict"),
         }
@@ -1317,12 +1330,14 @@ class RayGroup:
         self.ingests = list(state["ingests"])
         ray.get([s.load_state_dict.remote(x) for p, x in enumerate(state["shards"])
                  for s in self._copies(p)])  # fmt: skip
+        self.start_trainers = state.get("start_trainers", self.start_trainers)
         states = state["trainers"]
         if len(states) != self.num_trainers:  # saved at another size: replicas are equal
             log.info("state of %d trainers loaded into %d", len(states), self.num_trainers)
             states = [states[0]] * self.num_trainers
         ray.get([t.call.remote("load_state_dict", x) for t, x in zip(self.trainers, states,
                                                                      strict=True)])  # fmt: skip
+        self._scale()
         self._refresh(0)
 
     def shutdown(self) -> None:

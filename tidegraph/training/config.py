@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from tidegraph.comm.config import CommConfig
 from tidegraph.config_check import check_fields, read_yaml, unknown_keys
+from tidegraph.elastic.policy import SCALE_RULES
 from tidegraph.models.config import ModelConfig
 from tidegraph.storage.cache import POLICIES
 from tidegraph.storage.features import PRECISIONS
@@ -210,6 +211,11 @@ class ClusterConfig:
     # trainers started ahead and kept idle (ray backend): a lost trainer's replacement, or
     # a joining one, without a process start (seconds); each holds a trainer's resources
     spare_trainers: int = 0
+    # when the group's size W changes: "keep_batch" (the global batch and learning rate stay,
+    # so the result does not depend on W), "linear" or "sqrt" (each trainer keeps its share
+    # of the batch, so the global batch follows W from the next increment, and the learning
+    # rate scales by W / W0 or its square root; W0: the size the run started with)
+    scale_rule: str = "keep_batch"
     shards: int = 1
     # copies of each shard (ray backend): r > 1 keeps r - 1 read-only replicas that take
     # every write; a lost shard's replica takes its place (no replay), and a new one starts
@@ -303,6 +309,9 @@ class ClusterConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"cluster.trainers: {name[:3]} must be an integer >= 1, "
                                  f"got {value!r}")  # fmt: skip
+        if self.scale_rule not in SCALE_RULES:
+            raise ValueError(f"cluster.scale_rule must be one of {SCALE_RULES}, got "
+                             f"{self.scale_rule!r}")  # fmt: skip
         if self.spare_trainers < 0:
             raise ValueError(f"cluster.spare_trainers must be >= 0, got {self.spare_trainers}")
         if self.min_trainers > self.max_trainers:

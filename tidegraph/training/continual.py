@@ -105,6 +105,7 @@ class ContinualLearner:
         self.cursor = Cursor()
         self.pass_state: dict = {}  # accumulators of the pass under way (checkpointed)
         self.history: list[dict] = []
+        self.rebatches: list[tuple[int, int]] = []  # (unit, train batch): `_follow_batch`
         self._membership_seen: dict[str, int] = {}  # resizes, recoveries written so far
 
     # replica 0's pieces (all replicas are identical after every step)
@@ -153,7 +154,9 @@ class ContinualLearner:
         """Phase 1's units: ingest, then per epoch a training and a validation pass."""
         if self.cursor.phase1_done:
             raise RuntimeError("ContinualLearner.run_phase1: phase 1 is done")
-        return self._run_until("phase_end")
+        record = self._run_until("phase_end")
+        self._follow_batch()
+        return record
 
     def step(self) -> dict:
         """The next increment's units: ingest, evaluate, retrain; returns its metrics."""
@@ -161,7 +164,20 @@ class ContinualLearner:
             raise RuntimeError("ContinualLearner.step: run_phase1() first")
         if self.done:
             raise StopIteration("ContinualLearner.step: the stream is exhausted")
-        return self._run_until("increment_end")
+        record = self._run_until("increment_end")
+        self._follow_batch()
+        return record
+
+    def _follow_batch(self) -> None:
+        """After an increment: when the group's global training batch changed with its size
+        (`cluster.scale_rule` linear or sqrt), the later increments train with it."""
+        batch = getattr(self.group, "train_batch_size", None)
+        if batch is None or batch == self.schedule.train_batch or self.done:
+            return
+        log.info("training batches of %d events from the next increment (was %d)", batch,
+                 self.schedule.train_batch)  # fmt: skip
+        self.schedule.rebatch(self.cursor.unit, batch)
+        self.rebatches.append((self.cursor.unit, batch))
 
     # ---- units ------------------------------------------------------------------------------
 
@@ -299,7 +315,7 @@ class ContinualLearner:
     def _unit_replay(self, u: Unit, ps: dict) -> None:
         m = int(round(self.config.continual.replay_ratio * (u.hi - u.lo)))
         pos, weight = self.replay.select(self.events, u.lo, slice(u.lo, u.hi), m)
-        n_batches = -(-(u.hi - u.lo) // self.config.train.batch_size)
+        n_batches = -(-(u.hi - u.lo) // self.schedule.train_batch)
         ps.update(replay_pos=pos, replay_weight=weight, replayed=int(pos.numel()))
         ps["replay_parts"] = torch.tensor_split(torch.arange(pos.numel()), n_batches)
 
@@ -410,6 +426,7 @@ class ContinualLearner:
             "replay": self.replay.state_dict(),
             "forget_gen": self.forget_gen.get_state(),
             "history": [dict(r) for r in self.history],
+            "rebatches": list(self.rebatches),
             "slot_precision": self.slot_precision,
             "idmap": self.stream.idmap.state_dict(),  # external -> dense node ids
             # the pass under way (not its progress bar; wall-clock stamps restart on load)
@@ -423,6 +440,9 @@ class ContinualLearner:
         self.replay.load_state_dict(state["replay"])
         load_generator_state(self.forget_gen, state["forget_gen"], "forgetting probe")
         self.history = [dict(r) for r in state["history"]]
+        self.rebatches = [tuple(x) for x in state.get("rebatches", [])]
+        for unit, batch in self.rebatches:  # the schedule the run trained by
+            self.schedule.rebatch(unit, batch)
         if "idmap" in state:  # the checkpoint's map, bitwise (a rebuilt stream's is the same)
             self.stream.idmap = IdMap.from_state(state["idmap"])
         self.pass_state = dict(state.get("pass", {}))

@@ -87,6 +87,7 @@ class Schedule:
             self.increments = increment_bounds(t, self.phase1_end, continual)
         self.retrain_epochs = continual.retrain_epochs
         self.batch_size = batch_size
+        self.train_batch = batch_size  # of training passes (`rebatch` changes it)
         self.units: list[Unit] = []
         self._step = 0
         self._phase1(epochs)
@@ -99,8 +100,21 @@ class Schedule:
         self.increments.append((lo, hi))
         self._increment(k, lo, hi, self.retrain_epochs)
 
+    def rebatch(self, at: int, train_batch: int) -> None:
+        """Training passes of the increments after unit `at` (the unit after an increment's
+        end, or phase 1's) use global batches of `train_batch` events: their units are made
+        again (evaluation keeps its batches)."""
+        done = self.units[at - 1].increment if at > 0 else -1
+        if at == 0 or self.units[at - 1].kind not in ("increment_end", "phase_end"):
+            raise ValueError(f"Schedule.rebatch: unit {at} does not follow an increment's end")
+        del self.units[at:]
+        self._step = sum(u.kind == "train" for u in self.units)
+        self.train_batch = train_batch
+        for k in range(done + 1, len(self.increments)):
+            self._increment(k, *self.increments[k], self.retrain_epochs)
+
     def _pass(self, kind: str, lo: int, hi: int, increment: int, epoch: int) -> None:
-        batches = batch_bounds(lo, hi, self.batch_size)
+        batches = batch_bounds(lo, hi, self.train_batch if kind == "train" else self.batch_size)
         for j, (a, b) in enumerate(batches):
             step = -1
             if kind == "train":
