@@ -281,3 +281,41 @@ def test_chaos_a_seeded_schedule_of_kills_ends_as_the_fault_free_run(ray_session
     print("recoveries of the last group:", got["recoveries"])
     assert kills
     assert_same_run(got, want)
+
+
+@pytest.fixture(scope="module")
+def sharded_fault_free(ray_session, wiki):
+    return run(config(memory="sharded"), wiki)
+
+
+def kill_at_step(step: int, actor_of):
+    """A `during`: SIGKILL `actor_of(group)`'s process once the driver counts `step`
+    training steps (step-per-task runs report no pass progress)."""
+
+    def during(learner) -> None:
+        pid = ray.get(actor_of(learner.group).pid.remote())
+        for _ in range(60000):  # bounded
+            if learner.cursor.step >= step:
+                os.kill(pid, signal.SIGKILL)
+                return
+            time.sleep(0.001)
+
+    return during
+
+
+@pytest.mark.parametrize("who", ["shard", "trainer"])
+def test_sharded_node_state_recovers_in_step_per_task_runs(
+    ray_session, wiki, sharded_fault_free, who
+):
+    """Node state owned by shards (`cluster.memory: sharded`, a task per step) with a
+    replica of every shard: a SIGKILLed shard's replica, which took every node-state update
+    too, takes its place; a SIGKILLed trainer is replaced from a survivor and the failed
+    step runs again. Both end bitwise as the fault-free run."""
+    actor_of = (lambda g: g.shards[1]) if who == "shard" else (lambda g: g.trainers[1])
+    got = run(config(memory="sharded", shard_replicas=2), wiki, kill_at_step(20, actor_of))
+    assert got["recoveries"]
+    if who == "shard":
+        assert any(e.get("promoted") == [1] for e in got["recoveries"])
+    else:
+        assert any(e.get("lost") == [1] for e in got["recoveries"])
+    assert_same_run(got, sharded_fault_free)

@@ -182,8 +182,9 @@ class _Trainer:
         (one task per step instead of two)."""
         if before:
             self.core.apply_updates(list(before))
-        return self.core.train_and_step(ev, weight, neg, num_observe, global_size,
-                                        self.collective)  # fmt: skip
+        with self._leaving_on_error():  # peers in the step's collectives fail at once
+            return self.core.train_and_step(ev, weight, neg, num_observe, global_size,
+                                            self.collective)  # fmt: skip
 
     def train_pass(self, slices: list, *before) -> list[float] | None:
         """Every step of a training pass: per step this trainer's slice, the all-reduce, the

@@ -448,6 +448,8 @@ class RayGroup:
         self, ev: EventBatch, weight: torch.Tensor | None, neg_BQ: torch.Tensor, num_observe: int
     ) -> float:
         self._resize_if_due()
+        if self.sharded:
+            return self._sharded_step(ev, weight, neg_BQ, num_observe)
         losses, updates = [], []
         before = self._take_pending()
         bounds = self.balancer.bounds(ev, neg_BQ, self.num_trainers)
@@ -464,6 +466,42 @@ class RayGroup:
         while len(self._inflight) > self.pipeline_depth:  # bounded lookahead
             self._inflight.popleft().value()
         return pending
+
+    def _sharded_step(self, ev, weight, neg_BQ, num_observe: int) -> PendingLoss:
+        """A training step with node state on the shards (a task per step), recovered when
+        a trainer or shard is lost: trainers change nothing until every collective of the
+        step finished, so after a recovery the group either holds the step (a member was
+        lost after the all-reduce: survivors stepped and replacements copy one) or not (it
+        is run again); a shard copy lost while applying the step's updates is replaced by
+        a replica, which applied them too (`cluster.shard_replicas`)."""
+        for _ in range(self.config.cluster.max_recoveries + 1):
+            steps = self._steps()
+            bounds = self.balancer.bounds(ev, neg_BQ, self.num_trainers)
+            slices = train_slices(ev, weight, neg_BQ, num_observe, self.num_trainers, bounds)
+            outs = [t.train_and_step.options(num_returns=2).remote(*_own(args))
+                    for t, args in zip(self.trainers, slices, strict=True)]  # fmt: skip
+            try:
+                ray.get([o[0] for o in outs])
+            except ray.exceptions.RayError as exc:
+                self.recover(exc)
+                if self._steps() == steps:
+                    continue  # nobody stepped: run the step again on the rebuilt group
+                raise RuntimeError(
+                    "a trainer was lost after its group's all-reduce, before the step's "
+                    "node-state updates reached the shards; resume from the last checkpoint"
+                ) from exc
+            try:
+                self._apply_state([o[1] for o in outs])
+            except ray.exceptions.RayError as exc:
+                self.recover(exc)  # every copy was sent the updates; a replica takes over
+            pending = PendingLoss([o[0] for o in outs])
+            pending.value()
+            return pending
+        raise RuntimeError("trainer recovery: the retry budget is spent")
+
+    def _steps(self) -> int:
+        return self._robust(lambda: ray.get(self.trainers[0].call.remote("__getattribute__",
+                                                                         "steps")))  # fmt: skip
 
     @property
     def runs_passes(self) -> bool:
@@ -1168,19 +1206,23 @@ class RayGroup:
             outs.append(trainer.eval_slice.options(num_returns=3).remote(
                 *args, observe, *before
             ))  # fmt: skip
-        if observe:
+        if observe and not self.sharded:
             self._apply_state([o[2] for o in outs])
         try:
             pos = ray.get([o[0] for o in outs])
             neg = ray.get([o[1] for o in outs])
         except ray.exceptions.RayActorError as exc:
-            if self.sharded:  # shards may hold some of the step's updates: not recoverable
-                raise
             # survivors applied `before` (their task's first act) and replacements copy one;
-            # the step itself changed nothing yet: run it again
+            # the step itself changed nothing yet (shards get its updates only below): run
+            # it again
             self._pending = []
             self.recover(exc)
             return self.eval_step(ev, neg_BQ, observe)
+        if observe and self.sharded:
+            try:
+                self._apply_state([o[2] for o in outs])
+            except ray.exceptions.RayError as exc:
+                self.recover(exc)  # every copy was sent the updates; a replica takes over
         return torch.cat(pos), torch.cat(neg)
 
     def drain(self) -> None:
