@@ -486,9 +486,9 @@ class RayGroup:
                 self.recover(exc)
                 if self._steps() == steps:
                     continue  # nobody stepped: run the step again on the rebuilt group
-                raise RuntimeError(
-                    "a trainer was lost after its group's all-reduce, before the step's "
-                    "node-state updates reached the shards; resume from the last checkpoint"
+                raise NoReplicaLeft(  # the orchestrator restarts from the newest checkpoint
+                    "a trainer was lost after its group's all-reduce, with its slice's "
+                    "node-state updates for the shards: the step cannot be completed"
                 ) from exc
             try:
                 self._apply_state([o[1] for o in outs])
