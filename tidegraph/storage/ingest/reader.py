@@ -18,8 +18,11 @@ Assumptions and rules:
 - Files are streamed a chunk at a time (`chunk_rows` rows); no file is read whole, except with
   `sort="full"`, which holds all events in memory to sort them.
 - Batches come out in time order, ties in file order. `eid` numbers the yielded events 0..N-1.
-- Bad rows (non-numeric or NaN time, negative, non-integer or out-of-range ids -- beyond
-  `num_nodes` or int64 --, wrong field count or feature width, NaN or infinite features,
+- Ids are int64 (negative ones only with `negative_ids`, never in JODIE files) or, with
+  `string_ids`, any non-empty text coded by the reader's `id_map` (`EventReader.id_map`): dense
+  ids in order of first appearance in the time-ordered stream, consistent across passes.
+- Bad rows (non-numeric or NaN time, negative (see above), non-integer or out-of-range ids --
+  beyond `num_nodes` or int64 --, wrong field count or feature width, NaN or infinite features,
   invalid UTF-8, missing values, time out of order) raise `LoaderError` naming file, line and
   reason (the first bad row in file order); with `quarantine=PATH` they are written to that CSV
   (columns `line,reason,text`) instead, counted in `stats`, and a warning is logged. Valid rows
