@@ -32,8 +32,8 @@ def ray_session():
     """A local Ray on loopback for one test module (its actors and namespaces go with it)."""
     import ray
 
-    ray.init(
-        _node_ip_address="127.0.0.1", num_cpus=8, include_dashboard=False,
+    ray.init(  # "local": a Ray of its own, never a cluster that happens to run here
+        address="local", _node_ip_address="127.0.0.1", num_cpus=8, include_dashboard=False,
         namespace="tidegraph-tests", configure_logging=False,
     )  # fmt: skip
     yield
