@@ -89,10 +89,11 @@ def test_ray_job_submit_runs_the_job_to_success(auth, tmp_path):
             "python", "-m", "tidegraph.jobs.train", "--max-events", "3000", "--increments",
             "2", "--epochs", "1", "--no-progress", "--out", str(out_dir),
         ]  # fmt: skip
-        for _ in range(20):  # the head's job agent comes up a little after `ray start`
+        deadline = time.monotonic() + 180  # the head's job agent comes up after `ray start`
+        while True:  # (tens of seconds on a loaded box)
             done = subprocess.run(submit, env=env, timeout=600, capture_output=True, text=True)
             log = done.stdout + done.stderr
-            if "No available agent to submit job" not in log:
+            if "No available agent to submit job" not in log or time.monotonic() > deadline:
                 break
             time.sleep(3)
         assert done.returncode == 0, log[-3000:]
