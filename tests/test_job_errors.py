@@ -48,3 +48,13 @@ def test_trainers_flag_takes_w_or_min_max(value, capsys):
         main(["--trainers", value])
     assert exit_.value.code == 2
     assert "W or MIN:MAX" in capsys.readouterr().err
+
+
+def test_debug_shows_the_traceback_before_the_one_line(tmp_path, capsys):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("continual:\n  increment_window: 3600\n")
+    argv = ["--config", str(cfg), "--increments", "3", "--backend", "local"]
+    assert main([*argv, "--debug"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "Traceback (most recent call last):" in err
+    assert err[-1].startswith("error: ") and "--increments" in err[-1]

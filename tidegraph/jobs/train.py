@@ -20,6 +20,7 @@ import logging
 import os
 import sys
 import time
+import traceback
 from pathlib import Path
 
 from tidegraph.config_check import explicit_fields
@@ -102,6 +103,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", help="cpu or cuda")
     p.add_argument("--threads", type=int, help="torch CPU threads (1 is fastest on a busy box)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--debug", action="store_true", help="errors with their traceback")
     p.add_argument("--backend", help="ray (actors; a local Ray unless RAY_ADDRESS) or local")
     p.add_argument("--run-name", help="names the run (its Ray namespace)")
     p.add_argument(
@@ -186,21 +188,33 @@ def _config(args: argparse.Namespace) -> RunConfig:
     return RunConfig.from_dict(raw)
 
 
+_debug = False  # --debug: errors come with their traceback
+
+
+def _report(err: BaseException) -> None:
+    """A data, config or I/O error: one line (and, with --debug, the traceback)."""
+    if _debug:
+        traceback.print_exception(err, file=sys.stderr)
+    print(f"error: {err}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
+    global _debug
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     tune_host_allocator()
     args = _parser().parse_args(argv)
+    _debug = args.debug
     try:
         config = _config(args)
         preflight(config, out=args.out, quarantine=args.quarantine, follow=args.follow)
     except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
+        _report(err)
         return 2
     resume = args.resume
     try:
         config, run_dir = _open_run(config, resume, args.out, args.explicit)
     except ValueError as err:  # a run there already, nothing to resume, unwritable storage
-        print(f"error: {err}", file=sys.stderr)
+        _report(err)
         return 2
     print(f"run {config.run_name}: {run_dir.path}", flush=True)
     set_determinism(config.seed, 0, config.deterministic, config.threads)
@@ -210,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             stream = stream_for(config.data)
         except ValueError as err:  # LoaderError: file, line or row, reason
-            print(f"error: {err}", file=sys.stderr)
+            _report(err)
             return 2
     started = False
     if config.cluster.backend == "ray":
@@ -222,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 result = run_offline(config, stream)
             except ValueError as err:
-                print(f"error: {err}", file=sys.stderr)
+                _report(err)
                 return 2
             print(json.dumps({"test": result["test"], "epoch_s": result["epoch_s"]}, indent=2))
             return 0
@@ -277,7 +291,7 @@ def _run(
         try:
             source = _live_source(config, args)
         except ValueError as err:
-            print(f"error: {err}", file=sys.stderr)
+            _report(err)
             return 2
 
     metrics = None
@@ -297,7 +311,7 @@ def _run(
             follow_timeout=args.follow_timeout if args is not None else 60.0,
         )  # fmt: skip
     except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
+        _report(err)
         return 2
     try:
         while orchestrator.step() not in (RunState.FINISHED, RunState.ERRORED):
@@ -309,7 +323,7 @@ def _run(
     err = orchestrator.error
     if err is not None:
         if isinstance(err, ValueError) or type(err).__name__ == "PlacementTimeout":
-            print(f"error: {err}", file=sys.stderr)  # bad data, or a cluster too small
+            _report(err)  # bad data, or a cluster too small
             return 2
         raise err
     print(json.dumps(orchestrator.result, indent=2))
