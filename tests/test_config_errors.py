@@ -125,3 +125,13 @@ def test_a_good_yaml_file_maps_onto_run_config(tmp_path):
     assert (config.model.name, config.train.lr, config.train.batch_size) == ("tgat", 1e-3, 100)
     (tmp_path / "empty.yaml").write_text("")
     assert read_yaml(str(tmp_path / "empty.yaml")) == {}
+
+
+def test_batch_history_with_several_trainers_is_refused_naming_both_fields():
+    """Each trainer knows only its slice of a batch: `history: batch` would let a slice's
+    roots see earlier events of the batch held by other slices, so it is refused."""
+    from tidegraph.training.config import RunConfig
+
+    with pytest.raises(ValueError, match=r"sampler.history 'batch' needs cluster.trainers 1"):
+        RunConfig.from_dict({"sampler": {"history": "batch"}, "cluster": {"trainers": 2}})
+    assert RunConfig.from_dict({"sampler": {"history": "batch"}}).sampler.history == "batch"

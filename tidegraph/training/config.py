@@ -359,6 +359,12 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         check_fields(self, "")
+        if self.sampler.history == "batch" and self.cluster.trainers > 1:
+            raise ValueError(
+                "sampler.history 'batch' needs cluster.trainers 1 for now: each trainer knows "
+                "only its slice of a batch, so its roots would see earlier events of the batch "
+                "in other slices"
+            )
         if self.mode not in ("continual", "offline"):
             raise ValueError(f"mode must be 'continual' or 'offline', got {self.mode!r}")
         a, b = self.offline_split
