@@ -28,7 +28,10 @@ import ray
 import torch
 import torch.distributed as dist
 from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import (
+    NodeAffinitySchedulingStrategy,
+    PlacementGroupSchedulingStrategy,
+)
 
 from tidegraph.actors import CoordinatorActor, GraphShardActor, TrainerActor
 from tidegraph.elastic.policy import ResizeDecision, plan_resize, scaled
@@ -226,7 +229,12 @@ class RayGroup:
         c = config.cluster
         raw = config.to_dict()
         opts = dict(namespace=self.namespace, lifetime=None)
-        self.coordinator = CoordinatorActor.options(name="tidegraph-coordinator", **opts).remote()
+        # on the driver's node (the head, under `ray job submit`): the trainers' store and
+        # the membership must not go with a worker node that is drained or lost
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        self.coordinator = CoordinatorActor.options(
+            name="tidegraph-coordinator", scheduling_strategy=here, **opts
+        ).remote()
         self._shard_args = (edge_dim, cuda)
         # partition p's shard lives in bundle `shard_slots[p][1]` of placement group
         # `shard_slots[p][0]` (the shards' SPREAD group, or its own once it moved)
