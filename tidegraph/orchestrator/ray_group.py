@@ -135,9 +135,9 @@ def _slot_table(pg) -> dict:
     return placement_group_table(pg)
 
 
-def _slot_node(pg) -> str | None:
-    """The node a one-bundle placement group is on (None while pending)."""
-    return _slot_table(pg).get("bundles_to_node_id", {}).get(0)
+def _slot_node(pg, bundle: int = 0) -> str | None:
+    """The node bundle `bundle` of a placement group is on (None while pending)."""
+    return _slot_table(pg).get("bundles_to_node_id", {}).get(bundle)
 
 
 class PendingLoss:
@@ -728,8 +728,7 @@ class RayGroup:
 
     def _shard_nodes(self) -> list:
         """Node id of each partition's shard (from its slot, in the GCS)."""
-        return [_slot_table(pg).get("bundles_to_node_id", {}).get(i)
-                for pg, i in self.shard_slots]  # fmt: skip
+        return [_slot_node(pg, i) for pg, i in self.shard_slots]
 
     def _successors_up(self, draining) -> list[int]:
         """Partitions whose successor shard is up. Starts a successor (in a slot of its own,
