@@ -21,8 +21,9 @@ from tidegraph.storage.events import EventBatch
 from tidegraph.training import ContinualLearner, RunConfig
 from tidegraph.training.config import SamplerConfig
 from tidegraph.training.data import stream_of
-from tidegraph.training.sampling import sample_options
+from tidegraph.training.sampling import AutoRootDedup, sample_options
 
+METRICS = ("ap", "auc", "mrr", "loss", "val_ap")
 NAMES = ("dst_ids", "dst_ts", "nbr_ids", "nbr_ts", "nbr_eids", "dt", "mask")
 
 
@@ -161,3 +162,26 @@ def test_a_run_with_distinct_roots_matches_one_without_within_float_tolerance(mo
         for key in ("ap", "auc", "val_ap"):
             if key in a:
                 assert abs(a[key] - b[key]) < 2e-3, (key, a[key], b[key])
+
+
+def test_auto_probes_every_few_batches_and_decides_for_the_batches_between(hub):
+    ev, _ = hub
+    part, neg = _batch(ev)
+    repeats = link_roots(part.src, part.dst, neg, part.t)  # hub batch: ~half distinct
+    distinct = (torch.arange(600), torch.arange(600).double())
+    auto = AutoRootDedup(ratio=0.9, every=3)
+    got = [auto(*roots) for roots in (repeats, distinct, distinct, distinct, repeats)]
+    assert got == [0.9, 0.9, 0.9, None, None]  # probes: the 1st and the 4th batch
+    again = AutoRootDedup(ratio=0.9, every=3)
+    again.load_state_dict(auto.state_dict())
+    assert [again(*repeats), again(*repeats)] == [auto(*repeats), auto(*repeats)] == [None, 0.9]
+
+
+@pytest.mark.parametrize("model", ["tgn", "tgat"])
+def test_auto_on_a_stream_that_repeats_roots_is_always_bitwise(model):
+    """Every hub batch repeats roots: `auto` deduplicates each of them, as `always` does."""
+    state_a, hist_a = _run("always", model)
+    state_b, hist_b = _run("auto", model)
+    assert all(torch.equal(state_a[k], state_b[k]) for k in state_a)
+    for a, b in zip(hist_a, hist_b, strict=True):
+        assert {k: a.get(k) for k in METRICS} == {k: b.get(k) for k in METRICS}
