@@ -53,6 +53,7 @@ def run(cfg, stream, during=None, join_s: float = 60.0, during_in_main: bool = F
             "recoveries": list(group.recoveries),
             "resizes": list(getattr(group, "resizes", [])),
             "shard_moves": list(getattr(group, "shard_moves", [])),
+            "shard_resizes": list(getattr(group, "shard_resizes", [])),
             "placement": group.placement(),
             "shard_events": group.report(stream.events.src, stream.events.dst),
         }

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tidegraph.elastic import ResizeDecision, plan_resize, scaled
+from tidegraph.elastic.policy import plan_parts
 
 CASES = [
     # world, target, ready slots, draining {rank: node} -> leave, join (None: no change)
@@ -94,3 +95,42 @@ def test_rebatch_makes_the_later_increments_training_passes_anew():
     assert steps == list(range(len(steps)))
     with pytest.raises(ValueError, match="does not follow an increment's end"):
         schedule.rebatch(at + 1, 50)
+
+
+PART_CASES = [
+    # hosts {host: parts}, sizes {part: events}, leaving, joining -> moves (part, from, to)
+    ("balanced already", {0: [0, 1], 1: [2, 3]}, {}, set(), [], []),
+    ("a host joins: takes from the one holding most", {0: [0, 1, 2], 1: [3]},
+     {0: 5, 1: 9, 2: 1, 3: 4}, set(), [7], [(1, 0, 7)]),
+    ("a host joins one: the largest partitions go", {0: [0, 1, 2, 3]},
+     {0: 10, 1: 20, 2: 5, 3: 7}, set(), [1], [(1, 0, 1), (0, 0, 1)]),
+    ("a host leaves: its partitions to the lightest", {0: [0], 1: [1], 2: [2]},
+     {0: 1, 1: 2, 2: 3}, {2}, [], [(2, 2, 0)]),
+    ("two leave, one joins", {0: [0, 1], 1: [2], 2: [3]}, {q: 1 for q in range(4)}, {1, 2},
+     [5], [(2, 1, 5), (3, 2, 5)]),
+    ("more hosts than partitions: the extra joiner gets none", {0: [0, 1]}, {0: 2, 1: 1},
+     set(), [1, 2], [(0, 0, 1)]),
+    ("everyone leaves: nowhere to go", {0: [0], 1: [1]}, {}, {0, 1}, [], []),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("hosts", "sizes", "leaving", "joining", "want"),
+    [c[1:] for c in PART_CASES],
+    ids=[c[0] for c in PART_CASES],
+)
+def test_plan_parts(hosts, sizes, leaving, joining, want):
+    moves = plan_parts(hosts, sizes, leaving, joining)
+    assert moves == want
+    held = {h: list(v) for h, v in hosts.items() if h not in leaving}
+    held.update({h: [] for h in joining})
+    for q, src, dst in moves:
+        assert q in hosts[src]
+        if src in held:
+            held[src].remove(q)
+        held[dst].append(q)
+    if held:  # every partition held exactly once, P // H or P // H + 1 per host
+        everything = sorted(q for v in held.values() for q in v)
+        assert everything == sorted(q for v in hosts.values() for q in v)
+        share = len(everything) // len(held)
+        assert all(share <= len(v) <= share + 1 for v in held.values())

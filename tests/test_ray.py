@@ -89,7 +89,7 @@ def test_actors_are_named_in_the_run_namespace_and_released(ray_session, wiki):
     assert set(group.placement()) == set(names[:4])
     assert group.alive() == (2, 2)
     os.kill(ray.get(group.trainers[1].pid.remote()), signal.SIGKILL)  # the name outlives it
-    ray.kill(group.shards[0])
+    ray.kill(group.shards[0].actor)
     for _ in range(100):  # the GCS learns of the deaths asynchronously: bounded wait
         if group.alive() == (1, 1):
             break

@@ -8,8 +8,8 @@ asked the group to stop early (to resize at the next step boundary): trainer 0 r
 without waiting and carries its vote to the group with the next step's update exchange.
 
 Operators reach a run through this actor too (it is named, in the run's namespace):
-`tidegraph.jobs.resize` leaves a wanted trainer count (or a shard to move) here, which the
-driver takes.
+`tidegraph.jobs.resize` leaves a wanted trainer or shard-actor count (or a shard to move) here,
+which the driver takes.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ class _Coordinator(StoreHost):
         self.stop = False
         self.wanted: tuple[int, str] | None = None  # (trainers, who asked)
         self.moves: set[int] = set()  # partitions to move to new shard actors
+        self.wanted_shards: tuple[int, str] | None = None  # (shard actors, who asked)
         self.status: dict = {}
 
     def report(self, steps: int) -> bool:
@@ -52,6 +53,18 @@ class _Coordinator(StoreHost):
 
     def take_wanted(self) -> tuple[int, str] | None:
         wanted, self.wanted = self.wanted, None
+        return wanted
+
+    def want_shards(self, count: int, who: str = "operator") -> dict:
+        """An operator's wanted number of shard actors (taken by the driver at the next
+        step boundary); returns the run's membership as last published."""
+        if int(count) != count or count < 1:
+            raise ValueError(f"shards must be an integer >= 1, got {count}")
+        self.wanted_shards = (int(count), who)
+        return self.status
+
+    def take_wanted_shards(self) -> tuple[int, str] | None:
+        wanted, self.wanted_shards = self.wanted_shards, None
         return wanted
 
     def move_shard(self, part: int) -> None:

@@ -15,6 +15,11 @@ What moves the size:
   up to the target.
 A group never resizes to nothing: if every member is draining and no slot is ready, the lowest
 draining rank stays (and the run relies on recovery when its node goes).
+
+Shard actors (`cluster.shards: {min, max}`) hold whole partitions of a fixed P = max, so a
+change of their number only moves partitions between actors (`plan_parts`): leaving actors
+hand all theirs over, joining ones take partitions from the largest actors, and every actor
+ends with P // H or P // H + 1 of them, with as few moves as that allows.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["SCALE_RULES", "ResizeDecision", "plan_resize", "scaled"]
+__all__ = ["SCALE_RULES", "ResizeDecision", "plan_parts", "plan_resize", "scaled"]
 
 SCALE_RULES = ("keep_batch", "linear", "sqrt")
 
@@ -80,3 +85,41 @@ def scaled(rule: str, batch: int, lr: float, start: int, world: int) -> tuple[in
         return batch, lr
     ratio = world / start
     return max(1, round(batch * ratio)), lr * (ratio if rule == "linear" else math.sqrt(ratio))
+
+
+def plan_parts(
+    hosts: dict[int, list[int]],
+    sizes: dict[int, int],
+    leaving: frozenset[int] | set[int] = frozenset(),
+    joining: tuple[int, ...] | list[int] = (),
+) -> list[tuple[int, int, int]]:
+    """Moves (partition, from host, to host) that take `hosts` {host: its partitions} (each
+    partition's events in `sizes`) to the actors `hosts` minus `leaving` plus `joining` (empty
+    ones), balanced to P // H or P // H + 1 partitions each. Hosts above their share give
+    their largest partitions, the largest hosts (by events) first; partitions to place go
+    largest first to the host with the fewest events among those below their share. [] when
+    no host would be left."""
+    load = lambda h: sum(sizes.get(q, 0) for q in held[h])  # noqa: E731
+    stay = [h for h in hosts if h not in leaving] + [h for h in joining if h not in hosts]
+    if not stay:
+        return []
+    held = {h: sorted(hosts.get(h, [])) for h in stay}
+    total = sum(len(v) for v in hosts.values())
+    share, extra = divmod(total, len(stay))
+    # the hosts holding most keep one more (fewest moves); ties: the lower key
+    by_count = sorted(stay, key=lambda h: (-len(held[h]), h))
+    quota = {h: share + (i < extra) for i, h in enumerate(by_count)}
+    pool = [(q, h) for h in hosts if h in leaving for q in hosts[h]]
+    for h in sorted(stay, key=lambda h: (-load(h), h)):  # over their share: give the largest
+        over = len(held[h]) - quota[h]
+        if over > 0:
+            give = sorted(held[h], key=lambda q: (-sizes.get(q, 0), q))[:over]
+            pool += [(q, h) for q in give]
+            held[h] = [q for q in held[h] if q not in give]
+    moves = []
+    for q, src in sorted(pool, key=lambda x: (-sizes.get(x[0], 0), x[0])):
+        open_ = [h for h in stay if len(held[h]) < quota[h]]
+        dst = min(open_, key=lambda h: (load(h), h))
+        held[dst].append(q)
+        moves.append((q, src, dst))
+    return moves

@@ -5,7 +5,9 @@ machine), finds the run's coordinator actor in the run's namespace, and leaves t
 trainer count there; the driver takes it at its next look (`cluster.elastic_poll_s`) and
 the trainers stop after their current step to resize (members above the count leave,
 highest ranks first; for more, trainers start in slots Ray places and join once up). N must
-lie within the run's `cluster.trainers: {min, max}`. `--move-shard P` moves partition P's shard
+lie within the run's `cluster.trainers: {min, max}`. `--shards N` sets the number of shard
+actors within `cluster.shards: {min, max}` (partitions move between actors at a step boundary;
+more actors start as Ray places them). `--move-shard P` moves partition P's shard
 to a new actor wherever Ray has room (it starts in the background, then copies the shard at a
 step boundary). Without either it prints the run's membership. Errors (no such run, N out
 of range) print one line and exit with 2.
@@ -25,6 +27,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m tidegraph.jobs.resize", description=__doc__)
     p.add_argument("--run-name", required=True, help="the run's name (its Ray namespace)")
     p.add_argument("--trainers", type=int, help="the wanted number of trainers")
+    p.add_argument("--shards", type=int, help="the wanted number of shard actors")
     p.add_argument(
         "--move-shard", type=int, metavar="P",
         help="move partition P's shard to a new actor wherever Ray has room (off a node to "
@@ -56,16 +59,21 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)  # fmt: skip
             return 2
         status = ray.get(coordinator.membership.remote())
-        if args.trainers is not None:
-            lo, hi = status.get("min", 1), status.get("max", args.trainers)
-            if not lo <= args.trainers <= hi:
-                print(f"error: --trainers {args.trainers}: run {args.run_name!r} allows "
-                      f"{lo} to {hi} trainers (cluster.trainers: {{min, max}})",
-                      file=sys.stderr)  # fmt: skip
+        # (flag, wanted, status keys of its bounds and count, what, config field, method)
+        asks = [("--trainers", args.trainers, "min", "max", "trainers", "trainers",
+                 "trainers", coordinator.want_trainers),
+                ("--shards", args.shards, "shards_min", "shards_max", "shard_actors",
+                 "shard actors", "shards", coordinator.want_shards)]  # fmt: skip
+        for flag, count, lo_key, hi_key, now_key, what, field, want in asks:
+            if count is None:
+                continue
+            lo, hi = status.get(lo_key, 1), status.get(hi_key, count)
+            if not lo <= count <= hi:
+                print(f"error: {flag} {count}: run {args.run_name!r} allows {lo} to {hi} "
+                      f"{what} (cluster.{field}: {{min, max}})", file=sys.stderr)  # fmt: skip
                 return 2
-            ray.get(coordinator.want_trainers.remote(args.trainers, "operator (jobs.resize)"))
-            print(f"run {args.run_name}: asked for {args.trainers} trainers "
-                  f"(now {status.get('trainers')})")  # fmt: skip
+            ray.get(want.remote(count, "operator (jobs.resize)"))
+            print(f"run {args.run_name}: asked for {count} {what} (now {status.get(now_key)})")
         if args.move_shard is not None:
             shards = status.get("shards")
             if shards is not None and not 0 <= args.move_shard < shards:

@@ -12,7 +12,8 @@ Names (all prefixed `tidegraph_`):
 - `increment_ap`, `increment_mrr`: metrics of the latest increment; `increments_total`;
 - `trainers_alive`, `shards_alive`: actors the GCS reports alive at the last update;
 - `trainers`: the trainer group's size; `resizes_total{direction}` (grow, shrink) and
-  `recoveries_total`: membership changes so far (each is a line of metrics.jsonl too).
+  `recoveries_total`: membership changes so far (each is a line of metrics.jsonl too);
+- `shard_actors`: the actors holding the run's partitions; `shard_resizes_total{direction}`.
 Each run has its own registry, so several runs in one process do not collide.
 """
 
@@ -53,7 +54,11 @@ class RunMetrics:
                                registry=r)  # fmt: skip
         self.recoveries = Counter("tidegraph_recoveries", "recoveries from lost members",
                                   registry=r)  # fmt: skip
-        self._resizes = self._recoveries = 0
+        self.shard_actors = Gauge("tidegraph_shard_actors", "actors holding partitions",
+                                  registry=r)  # fmt: skip
+        self.shard_resizes = Counter("tidegraph_shard_resizes", "changes of the shard-actor "
+                                     "count", ["direction"], registry=r)  # fmt: skip
+        self._resizes = self._recoveries = self._shard_resizes = 0
         self._ingested = self._steps = self._sent = 0
         self.server, _ = start_http_server(port, addr=host, registry=r)
         self.port = self.server.server_port
@@ -73,6 +78,12 @@ class RunMetrics:
         for event in resizes[self._resizes :]:
             self.resizes.labels("grow" if event["to"] > event["from"] else "shrink").inc()
         self._resizes = len(resizes)
+        if hasattr(group, "shard_resizes"):
+            self.shard_actors.set(len(group._shard_hosts()))
+            for event in group.shard_resizes[self._shard_resizes :]:
+                direction = "grow" if event["to"] > event["from"] else "shrink"
+                self.shard_resizes.labels(direction).inc()
+            self._shard_resizes = len(group.shard_resizes)
         recoveries = getattr(group, "recoveries", [])
         self.recoveries.inc(len(recoveries) - self._recoveries)
         self._recoveries = len(recoveries)

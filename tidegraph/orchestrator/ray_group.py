@@ -33,8 +33,9 @@ from ray.util.scheduling_strategies import (
     PlacementGroupSchedulingStrategy,
 )
 
-from tidegraph.actors import CoordinatorActor, GraphShardActor, TrainerActor
-from tidegraph.elastic.policy import ResizeDecision, plan_resize, scaled
+from tidegraph.actors import CoordinatorActor, TrainerActor
+from tidegraph.actors.shard import PartHandle, ShardHostActor
+from tidegraph.elastic.policy import ResizeDecision, plan_parts, plan_resize, scaled
 from tidegraph.recovery.policy import NoReplicaLeft, plan_trainer_recovery
 from tidegraph.rng import load_generator_state, seed_for, stream
 from tidegraph.storage.events import EventBatch
@@ -93,18 +94,30 @@ def _group_failure(exc: Exception) -> bool:
     return isinstance(cause, RuntimeError) and "gloo" in str(cause)
 
 
+def _actor(handle):
+    """The actor behind a handle (a shard's `PartHandle`: its host)."""
+    return handle.actor if isinstance(handle, PartHandle) else handle
+
+
 def _actor_state(actor) -> str:
     """The GCS's state of `actor` ("ALIVE", "DEAD", ...). Ray offers it publicly only through
     the dashboard's state API (not always running), so this asks the GCS table directly."""
     from ray._private import state
 
-    return state.actors(actor_id=actor._actor_id.hex())["State"]
+    return state.actors(actor_id=_actor(actor)._actor_id.hex())["State"]
 
 
 def _trainer_bounds(c) -> tuple[int, int]:
     """(min, max) trainers of a run: `cluster.trainers` as an int fixes both."""
     lo = getattr(c, "min_trainers", None) or c.trainers
     hi = getattr(c, "max_trainers", None) or c.trainers
+    return lo, hi
+
+
+def _shard_bounds(c) -> tuple[int, int]:
+    """(min, max) shard actors of a run; P = max partitions."""
+    lo = getattr(c, "min_shards", None) or c.shards
+    hi = getattr(c, "max_shards", None) or c.shards
     return lo, hi
 
 
@@ -204,8 +217,17 @@ class RayGroup:
         # P shards, and with `cluster.shard_replicas` r > 1 r - 1 read-only replicas of each
         # (bundle P i + p: replica i of partition p), spread over nodes as Ray can
         self.num_copies = _replicas(c)
-        self.shard_pg = placement_group([{"CPU": c.shard_cpus}] * (c.shards * self.num_copies),
-                                        strategy="SPREAD")  # fmt: skip
+        # shard actors (hosts): min of them in the SPREAD group, the rest up to max in slots
+        # of their own that Ray places as it finds room; P = max partitions are dealt over
+        # the hosts there are and move between them as hosts come and go
+        self.min_shards, self.max_shards = _shard_bounds(c)
+        self.shard_target = self.max_shards
+        self.shard_pg = placement_group(
+            [{"CPU": c.shard_cpus}] * (self.min_shards * self.num_copies), strategy="SPREAD"
+        )
+        self.shard_spares: list[tuple] = []  # (placement group, bundle) with no host yet
+        self.shard_joiners: dict[int, tuple] = {}  # id(slot's group): (slot, actor, answer)
+        self.shard_resizes: list[dict] = []  # one record per change of the host count
         self.trainer_bundle = {"CPU": c.trainer_cpus, **({"GPU": 1} if cuda else {})}
         # a placement group per trainer (a slot), up to the most trainers the run may have:
         # Ray claims a new node's resources for the pending ones as they appear
@@ -242,7 +264,20 @@ class RayGroup:
         self.shard_successors: dict[int, tuple] = {}  # p: (slot, actor, first answer)
         self.shard_moves: list[dict] = []  # one record per shard moved to another actor
         self._wanted_moves: set[int] = set()  # partitions an operator asked to move
-        self.shards = [self._new_shard(p) for p in range(c.shards)]
+        self._top_up_shards(self.min_shards)
+        if self.shard_spares:  # hosts in the slots placed by now start with the run
+            ray.wait([pg.ready() for pg, _ in self.shard_spares],
+                     num_returns=len(self.shard_spares), timeout=1.0)  # fmt: skip
+        slots = [(self.shard_pg, i) for i in range(self.min_shards)]
+        slots += [slot for slot in self.shard_spares if _slot_table(slot[0]).get("state")
+                  == "CREATED"]  # fmt: skip
+        self.shard_spares = [x for x in self.shard_spares if all(x is not y for y in slots)]
+        deal = [[p for p in range(c.shards) if p % len(slots) == h] for h in range(len(slots))]
+        self.shards = [None] * c.shards
+        for slot, parts in zip(slots, deal, strict=True):
+            host = self._new_host(parts, slot, f"tidegraph-shard-{parts[0]}")
+            for q in parts:
+                self.shards[q], self.shard_slots[q] = PartHandle(host, q), slot
         # replicas take every write a shard takes (ingests, node state), never a read
         self.replica_slots = [[(self.shard_pg, c.shards * i + p) for i in range(1, self.num_copies)]
                               for p in range(c.shards)]  # fmt: skip
@@ -284,18 +319,27 @@ class RayGroup:
         )  # fmt: skip
 
     def _new_shard(self, p: int, slot: tuple | None = None, name: str | None = None):
-        """Shard actor of partition `p`, in its slot (a placement group and bundle index;
-        default: the partition's)."""
-        config, c = self.config, self.config.cluster
+        """A shard actor holding partition `p` alone, in its slot (a placement group and
+        bundle index; default: the partition's); its handle for `p`."""
+        slot = self.shard_slots[p] if slot is None else slot
+        return PartHandle(self._new_host([p], slot, name or f"tidegraph-shard-{p}"), p)
+
+    def _new_host(self, parts: list[int], slot: tuple, name: str):
+        """A shard actor holding partitions `parts` (empty ones), in `slot`."""
+        pg, bundle = slot
+        return ShardHostActor.options(
+            name=name, num_cpus=self.config.cluster.shard_cpus, namespace=self.namespace,
+            lifetime=None, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, bundle),
+        ).remote(self._runtime(min(parts, default=0)),
+                 {p: self._part_args(p) for p in parts})  # fmt: skip
+
+    def _part_args(self, p: int) -> tuple[tuple, dict]:
+        """(args, kwargs) of partition `p`'s `ShardCore` (its seeds are the partition's, so
+        it samples and rounds the same on any actor)."""
+        config = self.config
         edge_dim, cuda = self._shard_args
-        pg, bundle = self.shard_slots[p] if slot is None else slot
-        return GraphShardActor.options(
-            name=name or f"tidegraph-shard-{p}", num_cpus=c.shard_cpus,
-            namespace=self.namespace, lifetime=None,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, bundle),
-        ).remote(
-            self._runtime(p), p, c.shards, edge_dim=edge_dim,
-            feature_precision=config.data.feature_precision,
+        return (p, config.cluster.shards), dict(
+            edge_dim=edge_dim, feature_precision=config.data.feature_precision,
             strategy=config.sampler.strategy, seed=seed_for(config.seed, "sampler", p),
             feature_seed=seed_for(config.seed, "features", p),
             graph_device=config.graph_device, pin_memory=cuda,
@@ -398,16 +442,18 @@ class RayGroup:
             if shards not in pending and len(placed) >= self.min_trainers:
                 return [pg for pg in self.slots if any(pg is q for q in placed)]
             log.info(
-                "waiting for resources: %d of %d..%d trainers x %s placed, shards x "
+                "waiting for resources: %d of %d..%d trainers x %s placed, %d shard actors x "
                 "{CPU: %s} %s; the cluster has %s available",
                 len(placed), self.min_trainers, self.max_trainers, trainer_bundle,
-                c.shard_cpus, "placed" if shards not in pending else "not placed",
+                self.min_shards * self.num_copies, c.shard_cpus,
+                "placed" if shards not in pending else "not placed",
                 ray.available_resources(),
             )  # fmt: skip
         self.shutdown()
         raise PlacementTimeout(
-            f"could not place {self.min_trainers} trainers x {trainer_bundle} and {c.shards} "
-            f"shards x {{'CPU': {c.shard_cpus}}} within {self.placement_wait_s:.0f} s "
+            f"could not place {self.min_trainers} trainers x {trainer_bundle} and "
+            f"{self.min_shards * self.num_copies} shard actors x {{'CPU': {c.shard_cpus}}} "
+            f"within {self.placement_wait_s:.0f} s "
             f"({len(placed)} trainers placed); available: {ray.available_resources()}"
         )
 
@@ -587,18 +633,25 @@ class RayGroup:
 
     # ---- elasticity ---------------------------------------------------------------------------
 
-    def _plan(self, force: bool = False) -> tuple[ResizeDecision | None, list[int], list[int]]:
+    def _plan(self, force: bool = False) -> tuple:
         """What the group should change now, looked at every `cluster.elastic_poll_s` (or
         now, `force`): the trainers' resize (`elastic.policy`: an operator's wanted count,
         trainers on draining nodes, spare slots Ray placed) and the partitions whose shard
         should move to the successor started for it (its node is draining, or an operator
-        asked), once that successor is up, and the partitions with a new replica up."""
+        asked), once that successor is up, and the partitions with a new replica up; and the
+        shard actors' change: (hosts up to join, hosts to leave, why) or None."""
         now = time.monotonic()
         if not force and now < self._next_check:
-            return None, [], []
+            return None, [], [], None
         self._next_check = now + _poll_s(self.config.cluster)
-        wanted, moves = ray.get([self.coordinator.take_wanted.remote(),
-                                 self.coordinator.take_moves.remote()])  # fmt: skip
+        wanted, moves, shards = ray.get([self.coordinator.take_wanted.remote(),
+                                         self.coordinator.take_moves.remote(),
+                                         self.coordinator.take_wanted_shards.remote()])  # fmt: skip
+        if shards is not None and shards[0] != self.shard_target:
+            log.info("%s wants %d shard actors (now %d)", shards[1], shards[0],
+                     len(self._shard_hosts()))  # fmt: skip
+            self.shard_target = shards[0]
+            self._top_up_shards()
         bad = [p for p in moves if not 0 <= p < self.num_shards]
         if bad:
             log.warning("asked to move shards %s: there are shards 0..%d only", bad,
@@ -610,21 +663,36 @@ class RayGroup:
             self._top_up()
         draining = _draining_nodes()
         ranks = {w: n for w, n in enumerate(self._member_nodes()) if n in draining}
+        leaving = self._shard_leavers(draining)
+        joining = self._shard_joiners_up(draining)
         moves = self._successors_up(draining)
         decision = plan_resize(self.num_trainers, self.target, len(self._joiners_up(draining)),
                                ranks)  # fmt: skip
-        return decision, moves, self._replicas_up()
+        reshard = None
+        if leaving or joining:
+            why = [f"{len(joining)} shard actor{'s' if len(joining) > 1 else ''} up"] if joining \
+                else []  # fmt: skip
+            hosts = self._shard_hosts()
+            drained = [k for k in leaving if _slot_node(*hosts[k][1]) in draining]
+            if drained:
+                why.append(f"{len(drained)} on draining nodes")
+            if len(leaving) > len(drained):
+                why.append(f"target {self.shard_target} shard actors")
+            reshard = (joining, leaving, "; ".join(why))
+        return decision, moves, self._replicas_up(), reshard
 
     def _resize_if_due(self, force: bool = False, at: str = "between steps") -> None:
         """Resize and move shards now if the group should (at a step boundary, `at`:
         nothing is under way)."""
-        decision, moves, adds = self._plan(force or self._stop_asked)
+        decision, moves, adds, reshard = self._plan(force or self._stop_asked)
         self._stop_asked = False
         try:
             for p in adds:
                 self._add_replicas(p)
             for p in moves:
                 self._move_shard(p, at)
+            if reshard is not None:
+                self._reshard(*reshard, at)
             if decision is not None:
                 self._resize(decision, at)
         except ray.exceptions.RayError as exc:  # a member lost meanwhile: recover instead
@@ -667,7 +735,7 @@ class RayGroup:
             except (ray.exceptions.RayActorError, TimeoutError):
                 lost.append((p, i))
         for p, i in sorted(lost, reverse=True):
-            ray.kill(self.replicas[p].pop(i))
+            ray.kill(_actor(self.replicas[p].pop(i)))
             self.replica_slots[p].pop(i)
         for p in sorted({p for p, _ in lost}):
             self._start_replicas(p)
@@ -715,7 +783,7 @@ class RayGroup:
                                        f"the shard {had['events']}")  # fmt: skip
             except ray.exceptions.RayActorError as exc:
                 log.warning("a replica of shard %d failed to start (%s)", p, exc)
-                ray.kill(actor)
+                ray.kill(_actor(actor))
                 with contextlib.suppress(Exception):
                     remove_placement_group(slot)
                 continue
@@ -735,8 +803,10 @@ class RayGroup:
         which Ray places off draining nodes) for each partition on a draining node or asked
         to move; a successor that failed is dropped (and started again at the next look)."""
         up = []
-        for p, node in enumerate(self._shard_nodes()):
-            if node not in draining and p not in self._wanted_moves:
+        nodes = self._shard_nodes()
+        elsewhere = any(n not in draining for n in nodes)  # hosts there take them over
+        for p, node in enumerate(nodes):
+            if (node not in draining or elsewhere) and p not in self._wanted_moves:
                 continue
             successor = self.shard_successors.get(p)
             if successor is None:
@@ -757,7 +827,7 @@ class RayGroup:
 
     def _drop_successor(self, p: int) -> None:
         slot, actor, _ = self.shard_successors.pop(p)
-        ray.kill(actor)
+        ray.kill(_actor(actor))
         with contextlib.suppress(Exception):
             remove_placement_group(slot)
 
@@ -780,13 +850,9 @@ class RayGroup:
         nodes = self._shard_nodes()
         old_slot, self.shard_slots[p] = self.shard_slots[p], (slot, 0)
         self.shards[p] = new
-        ray.get([t.replace_shard.remote(p, new) for t in self.trainers])
-        for _, actor, _ in self.joiners.values():  # queued behind their constructors
-            actor.replace_shard.remote(p, new)
+        self._point_trainers([p])
         self._refresh(self.num_nodes, recovering=True)
-        ray.kill(old)
-        if old_slot[0] is not self.shard_pg:  # a bundle of the shards' group stays reserved
-            remove_placement_group(old_slot[0])
+        self._release(old, old_slot)
         self._wanted_moves.discard(p)
         event = {"part": p, "from_node": nodes[p], "to_node": self._shard_nodes()[p],
                  "events": held["events"], "at": at, "seconds": time.perf_counter() - t0,
@@ -796,6 +862,160 @@ class RayGroup:
         log.warning("shard %d moved at %s from node %s to %s (%d events); %.2f s", p, at,
                     str(event["from_node"])[:12], str(event["to_node"])[:12], held["events"],
                     event["seconds"])  # fmt: skip
+
+    def _point_trainers(self, parts: list[int], trainers: list | None = None) -> None:
+        """Trainers (all, or these; joiners too) send partitions `parts`' requests to the
+        shards' handles now."""
+        members = self.trainers if trainers is None else trainers
+        ray.get([t.replace_shard.remote(p, self.shards[p]) for t in members for p in parts])
+        if trainers is None:
+            for _, actor, _ in self.joiners.values():  # queued behind their constructors
+                for p in parts:
+                    actor.replace_shard.remote(p, self.shards[p])
+
+    def _release(self, old: PartHandle, slot: tuple) -> None:
+        """Partition `old.part` left host `old.actor`: a host left with none goes, and its
+        slot with it (a bundle of the shards' SPREAD group stays reserved)."""
+        try:
+            left = ray.get(old.actor.drop_part.remote(old.part))
+        except ray.exceptions.RayActorError:
+            left = []
+        if not left:
+            self._release_host(old.actor, slot)
+
+    # ---- elastic shard counts -----------------------------------------------------------------
+
+    def _shard_hosts(self) -> dict[str, tuple]:
+        """{host actor id: (actor, slot, its partitions)} of the partitions' shards."""
+        hosts: dict[str, tuple] = {}
+        for p, handle in enumerate(self.shards):
+            key = handle.actor._actor_id.hex()
+            hosts.setdefault(key, (handle.actor, self.shard_slots[p], []))[2].append(p)
+        return hosts
+
+    def resize_shards(self, count: int, who: str = "operator") -> None:
+        """Set the wanted number of shard actors (within [min, max] shards) and change it
+        as far as Ray has room now (fewer: at once; more: as their slots are placed)."""
+        if not self.min_shards <= count <= self.max_shards:
+            raise ValueError(f"shards must be within cluster min/max [{self.min_shards}, "
+                             f"{self.max_shards}], got {count}")  # fmt: skip
+        ray.get(self.coordinator.want_shards.remote(count, who))
+        self.drain()
+        self._resize_if_due(force=True)
+
+    def _top_up_shards(self, have: int | None = None) -> None:
+        """Keep a pending slot per shard actor the run lacks toward its target (Ray places
+        them as room appears, and a host starts in each); drop those beyond it. `have`:
+        the actors there are (default: those holding partitions)."""
+        have = len(self._shard_hosts()) if have is None else have
+        want = max(0, self.shard_target - have - len(self.shard_joiners))
+        while len(self.shard_spares) < want:
+            self.shard_spares.append((placement_group([{"CPU": self.config.cluster.shard_cpus}]),
+                                      0))  # fmt: skip
+        while len(self.shard_spares) > want:
+            pg, _ = self.shard_spares.pop()
+            if pg is not self.shard_pg:  # a bundle of the SPREAD group stays reserved
+                with contextlib.suppress(Exception):
+                    remove_placement_group(pg)
+
+    def _shard_joiners_up(self, draining) -> list[tuple]:
+        """Hosts started in spare shard slots that are up (to take partitions over at a
+        step boundary). Starts one in each slot Ray placed; drops ones that failed."""
+        for slot in list(self.shard_spares):
+            table = _slot_table(slot[0])
+            node = table.get("bundles_to_node_id", {}).get(slot[1])
+            if table.get("state") != "CREATED" or node is None or node in draining:
+                continue
+            self.shard_spares.remove(slot)
+            serial = len(self.shard_resizes) + len(self.shard_moves) + len(self.shard_joiners)
+            actor = self._new_host([], slot, f"tidegraph-shard-host-{serial}-{id(slot) % 9973}")
+            self.shard_joiners[(id(slot[0]), slot[1])] = (slot, actor, actor.parts.remote())
+            log.info("starting a shard actor on node %s to take partitions over", node)
+        up = []
+        for key, (slot, actor, ref) in list(self.shard_joiners.items()):
+            if not ray.wait([ref], timeout=0)[0]:
+                continue
+            try:
+                ray.get(ref)
+                up.append((slot, actor))
+            except ray.exceptions.RayError as exc:
+                log.warning("a shard actor starting to take partitions failed (%s)", exc)
+                del self.shard_joiners[key]
+                self._release_host(actor, slot)
+        self._top_up_shards()
+        return up
+
+    def _shard_leavers(self, draining) -> list[str]:
+        """Hosts that should hand their partitions over now: those on draining nodes (while
+        a host elsewhere can take them), then the newest beyond the wanted count."""
+        hosts = self._shard_hosts()
+        nodes = {key: _slot_node(*slot) for key, (_, slot, _) in hosts.items()}
+        leave = [key for key in hosts if nodes[key] in draining]
+        if len(leave) == len(hosts):  # nowhere to go: successors start (`_successors_up`)
+            leave = []
+        stay = [key for key in hosts if key not in leave]
+        extra = len(stay) - self.shard_target
+        if extra > 0:  # own slots first (the SPREAD group's bundles stay reserved), fewest parts
+            order = sorted(stay, key=lambda k: (hosts[k][1][0] is self.shard_pg,
+                                                len(hosts[k][2])))  # fmt: skip
+            leave += order[:extra]
+        return leave
+
+    def _reshard(self, joining: list[tuple], leaving: list[str], reason: str, at: str) -> None:
+        """Move partitions so that hosts `leaving` hold none and `joining` ones (slot, actor)
+        take their share (`elastic.policy.plan_parts`), at a step boundary: each partition's
+        state is copied to its new host, which must hold as many events, then trainers send
+        it their requests there and the old host drops it (and goes when it holds none)."""
+        t0 = time.perf_counter()
+        self.drain()
+        self._flush()
+        hosts = self._shard_hosts()
+        old_count = len(hosts)
+        sizes = dict(enumerate(r["events"] for r in ray.get(
+            [s.report.remote() for s in self.shards])))  # fmt: skip
+        new = {actor._actor_id.hex(): (actor, slot) for slot, actor in joining}
+        moves = plan_parts({k: v[2] for k, v in hosts.items()}, sizes, set(leaving), list(new))
+        target = {k: (v[0], v[1]) for k, v in hosts.items()} | new
+        refs = [target[dst][0].add_part.remote(q, *self._part_args(q),
+                                               self.shards[q].state_dict.remote())
+                for q, _, dst in moves]  # fmt: skip
+        held = ray.get(refs)
+        for (q, _, _), got in zip(moves, held, strict=True):
+            if got["events"] != sizes[q]:
+                raise RuntimeError(f"partition {q} copied to another shard actor holds "
+                                   f"{got['events']} events, the shard {sizes[q]}")  # fmt: skip
+        nodes = self._shard_nodes()
+        old = [(self.shards[q], self.shard_slots[q]) for q, _, _ in moves]
+        for q, _, dst in moves:
+            self.shards[q], self.shard_slots[q] = PartHandle(target[dst][0], q), target[dst][1]
+        for slot, _ in joining:
+            del self.shard_joiners[(id(slot[0]), slot[1])]
+        self._point_trainers([q for q, _, _ in moves])
+        self._refresh(self.num_nodes, recovering=True)
+        for handle, slot in old:
+            self._release(handle, slot)
+        for key, (actor, slot) in new.items():  # more hosts than partitions: not needed
+            if not any(dst == key for _, _, dst in moves):
+                self._release_host(actor, slot)
+        now = self._shard_nodes()
+        for q, _, _ in moves:
+            self.shard_moves.append({"part": q, "from_node": nodes[q], "to_node": now[q],
+                                     "events": sizes[q], "at": at, "reason": reason,
+                                     "time": time.time()})  # fmt: skip
+        count = len(self._shard_hosts())
+        event = {"from": old_count, "to": count, "moves": len(moves), "reason": reason,
+                 "at": at, "seconds": time.perf_counter() - t0, "time": time.time()}  # fmt: skip
+        self.shard_resizes.append(event)
+        self._top_up_shards()
+        self._publish()
+        log.warning("shards at %s: %d -> %d actors (%s); %d partitions moved; %.2f s", at,
+                    old_count, count, reason, len(moves), event["seconds"])  # fmt: skip
+
+    def _release_host(self, actor, slot: tuple) -> None:
+        ray.kill(actor)
+        if slot[0] is not self.shard_pg:
+            with contextlib.suppress(Exception):
+                remove_placement_group(slot[0])
 
     def resize(self, trainers: int, who: str = "operator") -> None:
         """Set the wanted trainer count (within [min, max] trainers) and resize at once."""
@@ -919,6 +1139,8 @@ class RayGroup:
         self.coordinator.publish.remote({
             "trainers": self.num_trainers, "min": self.min_trainers, "max": self.max_trainers,
             "shards": self.num_shards, "shard_moves": len(self.shard_moves),
+            "shard_actors": len(self._shard_hosts()), "shards_min": self.min_shards,
+            "shards_max": self.max_shards, "shard_target": self.shard_target,
             "target": self.target, "spares": len(self.spares), "generation": self.generation,
             "resizes": len(self.resizes),
             "last_resize": self.resizes[-1] if self.resizes else None,
@@ -1076,17 +1298,27 @@ class RayGroup:
         log.warning("resize in recovery: %d -> %d trainers (%s)", old, self.num_trainers, reason)
 
     def _probe_shards(self) -> list[int]:
-        """Partitions whose shard actor is dead or does not answer within `probe_s`."""
+        """Partitions whose shard actor is dead or does not answer within `probe_s` (that
+        actor is killed: every partition it held is lost), and partitions rebuilt only in
+        part when a recovery was interrupted (dropped by the actor holding them)."""
         refs = [s.ping.remote() for s in self.shards]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.probe_s)
-        lost = []
+        dead = set()
         for p, ref in enumerate(refs):
             try:
-                if ref not in ready or p in self._stale_shards:  # hung, or half rebuilt
+                if ref not in ready:  # hung
                     raise TimeoutError
                 ray.get(ref)
             except (ray.exceptions.RayActorError, TimeoutError):
-                ray.kill(self.shards[p])  # a hung one, or free a dead one's name
+                dead.add(self.shards[p].actor._actor_id.hex())
+        lost = []
+        for p, handle in enumerate(self.shards):
+            if handle.actor._actor_id.hex() in dead:
+                ray.kill(handle.actor)  # a hung one, or free a dead one's name
+                lost.append(p)
+            elif p in self._stale_shards:
+                with contextlib.suppress(ray.exceptions.RayError):
+                    ray.get(handle.actor.drop_part.remote(p))
                 lost.append(p)
         return lost
 
@@ -1129,12 +1361,14 @@ class RayGroup:
             raise RuntimeError("shard recovery: the retry budget is spent") from cause
         t0 = time.perf_counter()
         self._stale_shards = set(lost)
-        for p in lost:
-            self.shards[p] = self._new_shard(p)
         snap, start = self._snapshot()
+        where = self._rebuild_hosts(lost)
+        # each lost partition as the checkpoint holds it (or empty), then the later ingests
+        ray.get([actor.add_part.remote(p, *self._part_args(p),
+                                       None if snap is None else snap["shards"][p])
+                 for p, actor in where.items()])  # fmt: skip
         expected = dict.fromkeys(lost, 0)
-        if snap is not None:  # each lost shard as the checkpoint holds it, then the rest
-            ray.get([self.shards[p].load_state_dict.remote(snap["shards"][p]) for p in lost])
+        if snap is not None:
             expected = {p: snap["shards"][p]["num_events"] for p in lost}
         gen = torch.Generator()
         calls = []
@@ -1153,14 +1387,53 @@ class RayGroup:
         self._stale_shards = set()
         ray.get([t.replace_shard.remote(p, self.shards[p]) for t in live for p in lost])
         self._refresh(self.num_nodes, live, recovering=True)  # replacements get them new
+        actors = len({a._actor_id.hex() for a in where.values()})
         log.warning(
-            "shard recovery: rebuilt %s from %s and %d logged batches (%s events); %.2f s",
-            lost, "the checkpoint's snapshot" if snap is not None else "nothing",
+            "shard recovery: rebuilt %s on %d shard actors from %s and %d logged batches (%s "
+            "events); %.2f s", lost, actors,
+            "the checkpoint's snapshot" if snap is not None else "nothing",
             len(self.ingests) - start, held, time.perf_counter() - t0,
         )  # fmt: skip
         self.recoveries.append({"lost_shards": lost, "events": held, "snapshot": snap is not None,
                                 "replayed_batches": len(self.ingests) - start,
+                                "rebuilt_on": actors,
                                 "seconds": time.perf_counter() - t0})  # fmt: skip
+        self._top_up_shards()  # lost hosts' slots: hosts start there and take partitions back
+
+    def _rebuild_hosts(self, lost: list[int]) -> dict:
+        """{p: the actor that rebuilds lost partition p}. The surviving shard actors split
+        the lost partitions among them (`elastic.policy.plan_parts`: each replays its share
+        of the log at the same time, with no process to start); with none left, a new actor
+        per lost one starts in its slot. The lost actors' slots are kept: Ray places them
+        again (a lost node's on another), and new actors there take partitions over."""
+        hosts = self._shard_hosts()
+        gone = {key for key, (_, _, parts) in hosts.items() if set(parts) <= set(lost)}
+        for key in gone:  # dead, or alive holding only partitions it had not finished
+            ray.kill(hosts[key][0])
+        survivors = {k: [q for q in parts if q not in lost] for k, (_, _, parts) in hosts.items()
+                     if k not in gone}  # fmt: skip
+        if not survivors or self.num_copies > 1:
+            where = {}
+            for key in gone:
+                actor, slot, parts = hosts[key]
+                serial = self.config.cluster.max_recoveries - self.recoveries_left
+                new = self._new_host([], slot, f"tidegraph-shard-{parts[0]}-{serial}")
+                where.update(dict.fromkeys(parts, new))
+                for q in parts:
+                    self.shards[q] = PartHandle(new, q)
+            return where
+        lost_hosts = {key: hosts[key][2] for key in gone}
+        moves = plan_parts(survivors | lost_hosts, {}, gone)
+        where = {}
+        for q, _, dst in moves:
+            actor, slot, _ = hosts[dst]
+            where[q] = actor
+            self.shards[q], self.shard_slots[q] = PartHandle(actor, q), slot
+        for key in gone:
+            slot = hosts[key][1]
+            if all(slot is not x for x in self.shard_spares):
+                self.shard_spares.append(slot)
+        return where
 
     def _snapshot(self) -> tuple[dict | None, int]:
         """The newest checkpoint's group state, if it is a prefix of this run's ingests (same
@@ -1345,7 +1618,8 @@ class RayGroup:
         def up(actor) -> bool:
             return _actor_state(actor) == "ALIVE"
 
-        return sum(map(up, self.trainers)), sum(map(up, self.shards))
+        hosts = {key: up(actor) for key, (actor, _, _) in self._shard_hosts().items()}
+        return sum(map(up, self.trainers)), sum(hosts[s.actor._actor_id.hex()] for s in self.shards)
 
     def placement(self) -> dict:
         """Node id of every shard and trainer actor (for operators and tests)."""
@@ -1395,7 +1669,10 @@ class RayGroup:
         joining += [j[1] for j in getattr(self, "shard_successors", {}).values()]
         joining += [a for reps in getattr(self, "replicas", []) for a in reps]
         joining += [j[1] for js in getattr(self, "replica_successors", {}).values() for j in js]
-        for actor in [*getattr(self, "trainers", []), *getattr(self, "shards", []), *joining]:
+        joining += [j[1] for j in getattr(self, "shard_joiners", {}).values()]
+        shards = [s for s in getattr(self, "shards", []) if s is not None]
+        actors = [*getattr(self, "trainers", []), *shards, *joining]
+        for actor in {id(a): a for a in map(_actor, actors)}.values():
             ray.kill(actor)
         if getattr(self, "coordinator", None) is not None:
             ray.kill(self.coordinator)
@@ -1405,6 +1682,8 @@ class RayGroup:
             *(j[0] for j in getattr(self, "shard_successors", {}).values()),
             *(j[0] for js in getattr(self, "replica_successors", {}).values() for j in js),
             *(pg for slots in getattr(self, "replica_slots", []) for pg, _ in slots),
+            *(pg for pg, _ in getattr(self, "shard_spares", [])),
+            *(j[0][0] for j in getattr(self, "shard_joiners", {}).values()),
             *getattr(self, "slots", []),
             *getattr(self, "member_slots", {}).values(),
             *getattr(self, "spares", []),
@@ -1414,5 +1693,6 @@ class RayGroup:
                 remove_placement_group(pg)
         self.shard_pg, self.slots, self.member_slots, self.spares = None, [], {}, []
         self.joiners, self.shard_successors, self.replica_successors = {}, {}, {}
+        self.shard_spares, self.shard_joiners = [], {}
         self.replicas = []
         self.trainers, self.shards, self.coordinator = [], [], None

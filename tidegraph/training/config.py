@@ -216,7 +216,13 @@ class ClusterConfig:
     # of the batch, so the global batch follows W from the next increment, and the learning
     # rate scales by W / W0 or its square root; W0: the size the run started with)
     scale_rule: str = "keep_batch"
-    shards: int = 1
+    # P, or {min: a, max: b} (ray backend): P = max partitions, held by between min and max
+    # shard actors; actors start as Ray places them (the run starts with min) and take
+    # partitions over from the largest ones, and leave (operators' counts, draining nodes)
+    # handing theirs to the rest; the partition function, and so the run's result, is P's
+    shards: int | dict = 1
+    min_shards: int | None = None  # set from `shards` (both P when it is an int)
+    max_shards: int | None = None
     # copies of each shard (ray backend): r > 1 keeps r - 1 read-only replicas that take
     # every write; a lost shard's replica takes its place (no replay), and a new one starts
     shard_replicas: int = 1
@@ -270,6 +276,10 @@ class ClusterConfig:
                 f"cluster.max_recoveries must be an integer >= 0, got {self.max_recoveries}"
             )
         self._trainer_bounds()
+        self._bounds("shards")
+        if self.min_shards < self.max_shards and self.shard_replicas > 1:
+            raise ValueError("cluster.shards {min, max} with cluster.shard_replicas > 1 is not "
+                             "supported yet: use a fixed shard count with replicas")  # fmt: skip
         for name in ("trainers", "shards", "shard_replicas"):
             value = getattr(self, name)
             if value < 1:
@@ -292,32 +302,38 @@ class ClusterConfig:
             if not getattr(self, name) > 0:
                 raise ValueError(f"cluster.{name} must be > 0, got {getattr(self, name)}")
 
-    def _trainer_bounds(self) -> None:
-        """`trainers: {min, max}` (or an int W: min = max = W) to `min_trainers`,
-        `max_trainers` and `trainers` = max (the most the run asks Ray for)."""
-        t = self.trainers
+    def _bounds(self, field: str) -> None:
+        """`<field>: {min, max}` (or an int n: min = max = n) to `min_<field>`, `max_<field>`
+        and `<field>` = max (the most the run asks Ray for)."""
+        t, lo, hi = getattr(self, field), f"min_{field}", f"max_{field}"
         if isinstance(t, dict):
             if set(t) != {"min", "max"}:
-                raise ValueError(f"cluster.trainers must be an integer or {{min, max}}, got {t}")
-            self.min_trainers, self.max_trainers = t["min"], t["max"]
-        elif self.min_trainers is None and self.max_trainers is None:
+                raise ValueError(f"cluster.{field} must be an integer or {{min, max}}, got {t}")
+            setattr(self, lo, t["min"])
+            setattr(self, hi, t["max"])
+        elif getattr(self, lo) is None and getattr(self, hi) is None:
             if isinstance(t, bool) or not isinstance(t, int) or t < 1:
-                raise ValueError(f"cluster.trainers must be an integer >= 1, got {t!r}")
-            self.min_trainers = self.max_trainers = t
-        for name in ("min_trainers", "max_trainers"):
+                raise ValueError(f"cluster.{field} must be an integer >= 1, got {t!r}")
+            setattr(self, lo, t)
+            setattr(self, hi, t)
+        for name in (lo, hi):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"cluster.trainers: {name[:3]} must be an integer >= 1, "
+                raise ValueError(f"cluster.{field}: {name[:3]} must be an integer >= 1, "
                                  f"got {value!r}")  # fmt: skip
+        if getattr(self, lo) > getattr(self, hi):
+            raise ValueError(f"cluster.{field}: min {getattr(self, lo)} > max "
+                             f"{getattr(self, hi)}")  # fmt: skip
+        setattr(self, field, getattr(self, hi))
+
+    def _trainer_bounds(self) -> None:
+        """`trainers: {min, max}` (`_bounds`), and the settings that go with resizes."""
+        self._bounds("trainers")
         if self.scale_rule not in SCALE_RULES:
             raise ValueError(f"cluster.scale_rule must be one of {SCALE_RULES}, got "
                              f"{self.scale_rule!r}")  # fmt: skip
         if self.spare_trainers < 0:
             raise ValueError(f"cluster.spare_trainers must be >= 0, got {self.spare_trainers}")
-        if self.min_trainers > self.max_trainers:
-            raise ValueError(f"cluster.trainers: min {self.min_trainers} > max "
-                             f"{self.max_trainers}")  # fmt: skip
-        self.trainers = self.max_trainers
 
 
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")

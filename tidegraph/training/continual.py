@@ -573,12 +573,14 @@ class ContinualLearner:
         self._write([*self._membership_records(), record])
 
     def _membership_records(self) -> list[dict]:
-        """The group's resizes, recoveries and shard moves since the last record, as
-        metrics.jsonl records of phase "resize" / "recovery" / "shard_move" (not in
-        `history`: a run's results do not depend on them)."""
+        """The group's resizes, recoveries, shard moves and changes of the shard-actor count
+        since the last record, as metrics.jsonl records of phase "resize" / "recovery" /
+        "shard_move" / "shard_resize" (not in `history`: a run's results do not depend on
+        them)."""
         out = []
-        for kind, name in (("resize", "resizes"), ("recovery", "recoveries"),
-                           ("shard_move", "shard_moves")):  # fmt: skip
+        kinds = (("resize", "resizes"), ("recovery", "recoveries"),
+                 ("shard_move", "shard_moves"), ("shard_resize", "shard_resizes"))  # fmt: skip
+        for kind, name in kinds:
             events = getattr(self.group, name, [])
             seen = self._membership_seen.get(kind, 0)
             out += [{"phase": kind, **e} for e in events[seen:]]

@@ -1,0 +1,153 @@
+"""Elastic shard counts on Ray (`cluster.shards: {min, max}`): P = max partitions held by
+between min and max shard actors. Partitions move whole between actors at step boundaries,
+so the partition function never changes and a run ends bitwise where a run with P fixed
+shards ends, every partition holding exactly the log's events."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import ray
+
+from tidegraph.jobs import resize
+from tidegraph.orchestrator.ray_group import RayGroup
+from tidegraph.training import RunConfig, load_stream
+
+sys.path.insert(0, str(Path(__file__).parent))
+import reference_run  # noqa: E402
+from recovery_run import assert_same_run, run  # noqa: E402
+
+EVENTS = 20000
+PARTS = 4
+
+
+@pytest.fixture(scope="module")
+def wiki():
+    return load_stream("wikipedia", EVENTS)
+
+
+def config(shards, **cluster) -> RunConfig:
+    raw = reference_run.reference_config("tgn")
+    raw["model"]["slot_precision"] = "fp32"
+    raw["data"]["max_events"] = EVENTS
+    raw["train"].update(batch_size=100, epochs=3)
+    raw["continual"].update(num_increments=4, retrain_epochs=3)
+    raw["cluster"] = {"backend": "ray", "trainers": 2, "shards": shards,
+                      "shard_cpus": 0.25, "elastic_poll_s": 0.05, **cluster}  # fmt: skip
+    raw["run_name"] = "tidegraph-elastic-shards-test"
+    return RunConfig.from_dict(raw)
+
+
+@pytest.fixture(scope="module")
+def fixed(ray_session, wiki):
+    return run(config(PARTS), wiki)
+
+
+@pytest.fixture
+def quick_polls(monkeypatch):
+    monkeypatch.setattr(RayGroup, "progress_s", 0.01)
+
+
+def _at(learner, fraction: float) -> None:
+    """Wait (bounded by the run) until the driver has passed `fraction` of the steps."""
+    steps = sum(u.kind == "train" for u in learner.schedule.units)
+    while learner.cursor.step < steps * fraction and not learner.done:
+        time.sleep(0.005)
+
+
+def _until(check, what: str, timeout_s: float = 120.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = check()
+        if got:
+            return got
+        time.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _ask(learner, count: int) -> None:
+    argv = ["--run-name", learner.config.run_name, "--shards", str(count)]
+    assert resize.main(argv) == 0  # the operator's command, in this process
+
+
+def test_shard_bounds_in_the_config():
+    c = config({"min": 2, "max": 4}).cluster
+    assert (c.min_shards, c.max_shards, c.shards) == (2, 4, 4)
+    assert RunConfig.from_dict(config({"min": 2, "max": 4}).to_dict()).cluster.min_shards == 2
+    assert (config(3).cluster.min_shards, config(3).cluster.max_shards) == (3, 3)
+    with pytest.raises(ValueError, match=r"cluster.shards: min 3 > max 2"):
+        config({"min": 3, "max": 2})
+    with pytest.raises(ValueError, match=r"cluster.shards must be an integer or \{min, max\}"):
+        config({"min": 1})
+    with pytest.raises(ValueError, match=r"cluster.shards: min must be an integer >= 1"):
+        config({"min": 0, "max": 2})
+    with pytest.raises(ValueError, match=r"shard_replicas > 1 is not supported yet"):
+        config({"min": 1, "max": 2}, shard_replicas=2)
+
+
+def test_an_operator_shrinks_and_grows_the_shard_actors_mid_run(
+    ray_session, wiki, fixed, quick_polls
+):
+    """4 partitions on 4 actors; the operator asks for 1 (three hand theirs to the one left)
+    and then for 4 again (actors start while the group trains and take partitions over at
+    a step boundary). Every move is checked event for event, and the run ends bitwise as
+    the run with 4 fixed shards."""
+    seen = {}
+
+    def during(learner) -> None:
+        group = learner.group
+        seen["start"] = len(group._shard_hosts())
+        _at(learner, 0.15)
+        argv = ["--run-name", learner.config.run_name, "--shards", str(PARTS + 1)]
+        seen["too_many"] = resize.main(argv)  # out of [min, max]: refused, nothing changes
+        _ask(learner, 1)
+        _until(lambda: group.shard_resizes, "the shrink")
+        seen["after_shrink"] = sorted(map(sorted, (h[2] for h in group._shard_hosts().values())))
+        _ask(learner, 4)
+        _until(lambda: len(group.shard_resizes) >= 2 and group.shard_resizes[-1]["to"] == 4
+               or learner.done, "the grow")  # fmt: skip
+
+    got = run(config({"min": 1, "max": PARTS}), wiki, during, join_s=180)
+    group_resizes = [(r["from"], r["to"]) for r in got["shard_resizes"]]
+    assert seen["start"] == PARTS
+    assert seen["too_many"] == 2
+    assert seen["after_shrink"] == [[0, 1, 2, 3]]
+    assert group_resizes[0] == (4, 1) and group_resizes[-1][1] == 4, group_resizes
+    assert len(got["shard_moves"]) >= 6  # three away, three back (and any rebalancing)
+    assert got["recoveries"] == [] and got["resizes"] == []
+    assert_same_run(got, fixed)  # every partition the log's events, bitwise the same run
+
+
+def test_a_lost_actor_holding_two_partitions_is_rebuilt_by_the_survivors(
+    ray_session, wiki, fixed, quick_polls
+):
+    """3 actors hold 4 partitions; the one holding two is SIGKILLed mid-pass. The two
+    survivors each rebuild one of its partitions from the log at the same time (no process
+    start), the lost actor's slot gets a new actor that takes partitions back, and the run
+    ends bitwise as the fault-free run with every partition holding the log's events."""
+    seen = {}
+
+    def during(learner) -> None:
+        group = learner.group
+        _at(learner, 0.1)
+        _ask(learner, 3)
+        _until(lambda: group.shard_resizes, "the shrink to 3 actors")
+        double = [h for h in group._shard_hosts().values() if len(h[2]) == 2]
+        seen["killed"] = sorted(double[0][2])
+        pid = ray.get(double[0][0].pid.remote())
+        _until(lambda: ray.get(group.coordinator.progress.remote()) >= 3, "a pass under way")
+        os.kill(pid, signal.SIGKILL)
+        _until(lambda: len(group.shard_resizes) >= 2 or learner.done, "the actor's return")
+
+    got = run(config({"min": 2, "max": PARTS}), wiki, during, join_s=180)
+    rebuilt = [e for e in got["recoveries"] if "events" in e]
+    assert [sorted(e["lost_shards"]) for e in rebuilt] == [seen["killed"]]
+    assert rebuilt[0]["rebuilt_on"] == 2  # split across the two survivors
+    sizes = [(r["from"], r["to"]) for r in got["shard_resizes"]]
+    assert sizes[:2] == [(4, 3), (2, 3)], sizes  # a new actor in the lost one's slot
+    assert_same_run(got, fixed)
