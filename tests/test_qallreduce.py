@@ -206,7 +206,25 @@ def _resume(rank, world):
     return same
 
 
+def _pipelined(rank, world):
+    """q4 over 12 buckets with error feedback, two steps: in 1, 3 or 8 messages, and with
+    the codec eager, auto or compiled on every other rank."""
+    out = {}
+    for stages, codec in [(1, "eager"), (3, "auto"), (8, "compiled" if rank % 2 else "eager")]:
+        cfg = _cfg(compression="q4", error_feedback=True, bucket_bytes=8_000,
+                   pipeline_stages=stages, codec=codec)  # fmt: skip
+        red = QuantizedAllReduce(cfg, None, rank, world, seed=3, sizes=SIZES)
+        flats = []
+        for step in range(2):
+            flat = _grad(rank, step)
+            stats = red.allreduce_(flat, step, average=True)
+            flats.append(flat)
+        out[(stages, codec)] = (flats, len(stats.bits))
+    return out
+
+
 SCENARIOS = {
+    "pipelined": (_pipelined, (2, 3)),
     "fixed": (_fixed_bits, (2, 3)),
     "warmup": (_warmup_and_small_buckets, (2, 3)),
     "adaptive": (_adaptive, (2, 3)),
@@ -356,6 +374,21 @@ def test_a_nan_on_one_rank_raises_on_every_rank_and_changes_no_buffer(group):
             message, unchanged = res[r]["nonfinite"][name]
             assert f"rank {world - 1}'s gradient holds inf or nan" in message
             assert unchanged
+
+
+def test_pipeline_stages_and_codec_paths_change_no_bit(group):
+    world, res = group
+    runs = [res[r]["pipelined"] for r in range(world)]
+    first, buckets = runs[0][(1, "eager")]
+    assert buckets == 12
+    for run in runs:
+        for flats, _ in run.values():
+            assert all(torch.equal(a, b) for a, b in zip(flats, first, strict=True))
+    exact = sum(_grad(r, 1) for r in range(world)) / world
+    bound = _bound([_grad(r, 1) for r in range(world)], 4) / world
+    err = (first[1] - exact).abs()  # this step's error plus the last step's residual
+    assert not torch.equal(first[1], exact)
+    assert (err <= 3 * bound).all() and err.mean() <= 0.5 * bound.mean()
 
 
 def test_error_feedback_keeps_the_cumulative_error_bounded(group):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tidegraph.comm import kernels
 from tidegraph.comm.quantize import (
     BITS,
     ErrorFeedback,
@@ -223,3 +224,44 @@ def test_stochastic_int8_rows_are_unbiased():
     step = 1 / 127
     assert ((back.mean(0) - row[0]).abs() <= 5 * (step / 2) / 64).all()
     assert ((back - batch).abs() <= step * (1 + 1e-5)).all()
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_compiled_and_eager_kernels_give_the_same_bits(bits, monkeypatch):
+    # blocks small enough that both paths cut the rows into several calls, differently
+    monkeypatch.setattr(kernels, "_EAGER_BLOCK", 1000)
+    monkeypatch.setattr(kernels, "_COMPILED_BLOCK", 3000)
+    key = torch.tensor([2**32 - 5, 12345], dtype=torch.int64)  # index + k1 wraps past 2^32
+    for rows, cols in [(1, 64), (2, 256), (37, 64), (300, 16)]:
+        x = torch.randn(rows, cols, generator=_gen(rows)) * torch.logspace(0, -4, rows * cols).view(
+            rows, cols
+        )
+        x[0, :4] = 0.0  # a constant run, and a chunk of one value repeated
+        x[-1] = 3.0
+        eager = kernels.encode_rows(x, key, bits, codec="eager")
+        compiled = kernels.encode_rows(x, key, bits, codec="compiled")
+        for a, b in zip(eager, compiled, strict=True):
+            assert torch.equal(a, b)
+        back = kernels.decode_rows(*eager, bits, codec="eager")
+        assert torch.equal(back, kernels.decode_rows(*eager, bits, codec="compiled"))
+        assert torch.equal(back[-1], x[-1])
+
+
+def test_random_levels_are_uniform_and_neighbours_uncorrelated():
+    key = torch.tensor([7, 99], dtype=torch.int64)
+    u = kernels._uniform16(1 << 10, 1 << 10, key, "cpu").reshape(-1)
+    assert float(u.min()) > 0 and float(u.max()) < 1
+    counts = torch.bincount((u * 256).long(), minlength=256).double()
+    expected = u.numel() / 256
+    assert ((counts - expected).abs() <= 5 * expected**0.5).all()  # 5 sigma per bin
+    c = u - 0.5
+    for lag in (1, 2, 256):
+        assert abs(float((c[:-lag] * c[lag:]).mean() / c.pow(2).mean())) < 0.01
+    # a key shifted by d is the same stream shifted by d values (blocks rely on it)
+    shifted = kernels._uniform16(1, 100, kernels._shifted(key, 1000), "cpu").reshape(-1)
+    assert torch.equal(shifted, u[1000:1100])
+
+
+def test_codec_names_are_checked():
+    with pytest.raises(ValueError, match="codec must be one of"):
+        quantize(torch.ones(8), 8, 4, codec="fast")

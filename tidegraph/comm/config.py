@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tidegraph.comm.kernels import CODECS
 from tidegraph.comm.quantize import BITS
 from tidegraph.config_check import check_fields, unknown_keys
 
@@ -37,17 +38,25 @@ class CommConfig:
     link_bandwidth_gbps: float = 10.0
     latency_fraction: float = 0.1  # cost model: a bucket's latency at most this of its time
     rows_int8: bool = False  # feature and memory rows from remote shards travel int8
+    # the codec's kernels: compiled by inductor (C++), eager torch, or auto (compiled on CPU
+    # when a C++ compiler is there, compiling aside and eager until ready); same codes
+    codec: str = "auto"
+    # a compressed exchange is cut into at most this many messages of whole buckets, so that
+    # encoding and decoding overlap the transfer (1: one message, no overlap)
+    pipeline_stages: int = 8
 
     def __post_init__(self) -> None:
         check_fields(self, "comm")
         _one_of("compression", self.compression, COMPRESSIONS)
         _one_of("bucketing", self.bucketing, BUCKETINGS)
+        _one_of("codec", self.codec, CODECS)
         if self.chunk_size < 4 or self.chunk_size % 4:
             _bad("chunk_size", self.chunk_size, "a positive multiple of 4")
         _at_least("warmup_steps", self.warmup_steps, 0)
         _at_least("min_bucket_bytes", self.min_bucket_bytes, 0)
         _at_least("adaptive_every", self.adaptive_every, 1)
         _at_least("bucket_bytes", self.bucket_bytes, 4)
+        _at_least("pipeline_stages", self.pipeline_stages, 1)
         if not self.adaptive_bits or any(b not in BITS for b in self.adaptive_bits):
             _bad("adaptive_bits", self.adaptive_bits, f"a non-empty subset of {BITS}")
         if not self.adaptive_lambda >= 0:

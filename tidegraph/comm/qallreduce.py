@@ -227,30 +227,155 @@ class _Bucket:
     hi: int
     at: int  # offset in the concatenation of compressed buckets
     seg: int  # values per rank's segment (whole chunks)
+    bits: int
 
     @property
     def n(self) -> int:
         return self.hi - self.lo
 
 
+@dataclass(frozen=True)
+class _Stage:
+    """Whole buckets sent as one message: (bucket, first column, columns) per bucket, in
+    rows of `width` bytes plus a flag byte."""
+
+    columns: tuple[tuple[_Bucket, int, int], ...]
+    width: int
+
+
+def _stages(buckets: list[_Bucket], chunk_size: int, most: int) -> list[_Stage]:
+    """`buckets` in order, cut into at most `most` runs of about equal size."""
+    total = sum(b.n for b in buckets)
+    groups: list[list[_Bucket]] = [[]]
+    done = 0
+    for b in buckets:
+        if groups[-1] and done >= total * len(groups) / most:
+            groups.append([])
+        groups[-1].append(b)
+        done += b.n
+    out = []
+    for group in groups:
+        widths = [_row_bytes(b.seg, chunk_size, b.bits) for b in group]
+        cols = tuple(zip(group, _starts(widths), widths, strict=True))
+        out.append(_Stage(cols, sum(widths)))
+    return out
+
+
 def _row_bytes(seg: int, chunk_size: int, bits: int) -> int:
     return seg * bits // 8 + 8 * (seg // chunk_size)
 
 
-def _encode(chunks: torch.Tensor, rows: int, bits: int, gen) -> torch.Tensor:
-    """uint8 [rows, row_bytes]: each row a run of whole chunks' codes, then their (min, scale)."""
-    packed, mins, scales = quantize_chunks(chunks, bits, gen)
-    meta = torch.stack([mins, scales], dim=1).view(torch.uint8)
-    return torch.cat([packed.reshape(rows, -1), meta.reshape(rows, -1)], dim=1)
+def _encode_into(dst: torch.Tensor, chunks: torch.Tensor, bits: int, gen, codec: str) -> None:
+    """Write into uint8 `dst` [rows, row_bytes] the codes of `chunks` (each row a run of whole
+    chunks' codes, then their (min, scale) pairs)."""
+    packed, mins, scales = quantize_chunks(chunks, bits, gen, codec)
+    rows = dst.shape[0]
+    code_bytes = packed.numel() // rows
+    dst[:, :code_bytes] = packed.reshape(rows, code_bytes)
+    dst[:, code_bytes:] = torch.stack([mins, scales], dim=1).view(torch.uint8).reshape(rows, -1)
 
 
-def _decode(block: torch.Tensor, seg: int, chunk_size: int, bits: int) -> torch.Tensor:
-    """fp32 [rows, seg] of `_encode`'s rows (a column slice of a received buffer)."""
+def _decode(block: torch.Tensor, seg: int, chunk_size: int, bits: int, codec: str) -> torch.Tensor:
+    """fp32 [rows, seg] of `_encode_into`'s rows (a column slice of a received buffer)."""
     rows, cps = block.shape[0], seg // chunk_size
     code_bytes = seg * bits // 8
     meta = block[:, code_bytes:].contiguous().view(torch.float32).reshape(rows * cps, 2)
     packed = block[:, :code_bytes].reshape(rows * cps, chunk_size * bits // 8)
-    return dequantize_chunks(packed, meta[:, 0], meta[:, 1], bits).reshape(rows, seg)
+    return dequantize_chunks(packed, meta[:, 0], meta[:, 1], bits, codec).reshape(rows, seg)
+
+
+class _Pending:
+    """A collective under way (`work`, None if done); `wait()` returns `result`."""
+
+    def __init__(self, work, result: torch.Tensor) -> None:
+        self.work, self.result = work, result
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        return self.result
+
+
+class _Exchange:
+    """One compressed all-reduce's stages: this rank's messages as worker (its values, one
+    segment per owner) and as owner (the sums of its segments), and the worst failure flag
+    seen. Rounding draws from two streams of (seed, rank, step), worker and owner, in bucket
+    order."""
+
+    def __init__(self, red, comp: torch.Tensor, stages: list[_Stage], average: bool, step: int):
+        self.red, self.comp, self.stages, self.average = red, comp, stages, average
+        self.cfg, self.device = red.config, comp.device
+        self.worker_gen = red._generator(self.device, step)
+        self.owner_gen = red._generator(self.device, step, "owner")
+        self.sent: list[torch.Tensor] = []
+        self.received: list[_Pending] = []
+        self.pieces: list[torch.Tensor | None] = []
+        self.owned: list[torch.Tensor] = []  # compensated sums, kept for error feedback
+        self.worker_flag = 0  # this rank could not encode its values
+        self.owner_flag = 0  # worst flag among received rows and this owner's own failure
+        owned = sum(b.seg for stage in stages for b, _, _ in stage.columns)
+        fb = red._owner_fb
+        self.residual = fb.residual_for(owned, self.device) if self.cfg.error_feedback else None
+        self.owned_at = 0
+
+    def send_stage(self, stage: _Stage) -> None:
+        """Encode this rank's values of `stage` (or zeros and its flag) and start sending."""
+        W, S = self.red.world, self.cfg.chunk_size
+        send = torch.empty(W, stage.width + 1, dtype=torch.uint8, device=self.device)
+        if not self.worker_flag:
+            try:
+                for b, o, w in stage.columns:
+                    x = _pad_to(self.comp[b.at : b.at + b.n], W * b.seg).reshape(-1, S)
+                    _encode_into(send[:, o : o + w], x, b.bits, self.worker_gen, self.cfg.codec)
+            except ValueError as e:  # non-finite values: every rank will raise, none hangs
+                log.error("comm: %s", e)
+                self.worker_flag = _rank_flag(self.red.rank)
+        if self.worker_flag:
+            send.zero_()
+        send[:, -1] = self.worker_flag
+        self.sent.append(send)
+        self.received.append(self.red._start_all_to_all(torch.empty_like(send), send))
+
+    def owner_stage(self, stage: _Stage, k: int) -> None:
+        """Wait for stage `k`'s rows from every rank, sum them in rank order and encode."""
+        recv = self.received[k].wait()
+        self.owner_flag = max(self.owner_flag, int(recv[:, -1].max()))
+        piece = None
+        if not self.owner_flag:
+            piece = torch.empty(1, stage.width + 1, dtype=torch.uint8, device=self.device)
+            try:
+                for b, o, w in stage.columns:
+                    total = self._sum(recv[:, o : o + w], b)
+                    _encode_into(piece[:, o : o + w], total.reshape(-1, self.cfg.chunk_size),
+                                 b.bits, self.owner_gen, self.cfg.codec)  # fmt: skip
+            except ValueError as e:  # a sum beyond fp32's range
+                log.error("comm: %s", e)
+                self.owner_flag = _OWNER_FLAG
+        self.pieces.append(piece)
+
+    def _sum(self, block: torch.Tensor, b: _Bucket) -> torch.Tensor:
+        values = _decode(block, b.seg, self.cfg.chunk_size, b.bits, self.cfg.codec)
+        total = values[0].clone()
+        for row in values[1:]:  # rank order, the same on every path
+            total += row
+        if self.average:
+            total.div_(self.red.world)
+        if self.cfg.error_feedback:
+            if self.residual is not None:
+                total += self.residual[self.owned_at : self.owned_at + b.seg]
+            self.owned_at += b.seg
+            self.owned.append(total)
+        return total
+
+    def owner_piece(self, k: int) -> torch.Tensor:
+        """Stage `k`'s message to everyone: this owner's codes and its worst flag over all
+        stages (zeros with the flag if any stage failed anywhere)."""
+        piece = self.pieces[k]
+        if self.owner_flag:
+            piece = torch.zeros(1, self.stages[k].width + 1, dtype=torch.uint8, device=self.device)
+        piece[:, -1] = self.owner_flag
+        return piece.reshape(-1)
 
 
 class QuantizedAllReduce:
@@ -340,9 +465,10 @@ class QuantizedAllReduce:
             self._numel, self._bits, self._decided_at = n, None, None
         return self._ranges
 
-    def _generator(self, device: torch.device, step: int) -> torch.Generator:
-        """This rank's stream for `step` (a function of (seed, rank, step) alone)."""
-        return rng.stream(self.seed, f"comm/rank{self.rank}", step, device=str(device))
+    def _generator(self, device: torch.device, step: int, role: str = "") -> torch.Generator:
+        """This rank's stream for `step` and `role` (a function of (seed, rank, step) alone)."""
+        name = f"comm{'-' + role if role else ''}/rank{self.rank}"
+        return rng.stream(self.seed, name, step, device=str(device))
 
     # -- the collectives (torch.distributed, or `ops` in one process) ------------------------
 
@@ -356,10 +482,23 @@ class QuantizedAllReduce:
             return self.ops.broadcast0(x)
         dist.broadcast(x, src=_global_rank(self.group, 0), group=self.group)
 
-    def _all_to_all(self, recv: torch.Tensor, send: torch.Tensor) -> None:
+    def _start_all_to_all(self, recv: torch.Tensor, send: torch.Tensor) -> _Pending:
+        """Row r of `send` to rank r, rank r's row into row r of `recv`, under way."""
         if self.ops is not None:
-            return self.ops.all_to_all(recv, send)
-        dist.all_to_all_single(recv, send, group=self.group)
+            self.ops.all_to_all(recv, send)
+            return _Pending(None, recv)
+        work = dist.all_to_all_single(recv, send, group=self.group, async_op=True)
+        return _Pending(work, recv)
+
+    def _start_gather(self, piece: torch.Tensor) -> _Pending:
+        """[W, bytes]: every rank's `piece` in rank order, under way (gloo wants a flat
+        output)."""
+        out = torch.empty(self.world * piece.numel(), dtype=piece.dtype, device=piece.device)
+        if self.ops is not None:
+            self.ops.all_gather(out, piece)
+            return _Pending(None, out.reshape(self.world, -1))
+        work = _all_gather(out, piece, group=self.group, async_op=True)
+        return _Pending(work, out.reshape(self.world, -1))
 
     def _bits_for(self, flat, ranges, step: int) -> tuple[list[int], bool, int]:
         """(bits per bucket, re-decided now, bytes the decision sent)."""
@@ -414,85 +553,45 @@ class QuantizedAllReduce:
         return self._worker_fb.compensate(x) if self.config.error_feedback else x
 
     def _quantized(self, flat, ranges, bits: list[int], average: bool, step: int) -> int:
+        """Two-way quantized exchange of the compressed buckets, pipelined in stages of whole
+        buckets (see `_stages`): a stage's all-to-all travels while the next stage is encoded
+        and the previous one summed; the all-gathers travel while earlier stages are decoded.
+        Codes come from per-bucket draws of two streams (worker, owner) taken in bucket
+        order, so the result does not depend on the number of stages."""
         cfg, W, S = self.config, self.world, self.config.chunk_size
-        gen = self._generator(flat.device, step)
         comp = self._compensated(flat, ranges)
         buckets, at = [], 0
-        for lo, hi in ranges:
-            buckets.append(_Bucket(lo, hi, at, -(-(hi - lo) // (W * S)) * S))
+        for (lo, hi), bb in zip(ranges, bits, strict=True):
+            buckets.append(_Bucket(lo, hi, at, -(-(hi - lo) // (W * S)) * S, bb))
             at += hi - lo
-        widths = [_row_bytes(b.seg, S, bb) for b, bb in zip(buckets, bits, strict=True)]
-        offsets = _starts(widths)
-        send, flag = _guarded(
-            lambda: torch.cat(
-                [
-                    _encode(_pad_to(comp[b.at : b.at + b.n], W * b.seg).reshape(-1, S), W, bb, gen)
-                    for b, bb in zip(buckets, bits, strict=True)
-                ],
-                dim=1,
-            ),
-            (W, sum(widths)),
-            _rank_flag(self.rank),
-            flat.device,
-        )
-        recv = torch.empty_like(send)
-        self._all_to_all(recv, send)
-        flag = int(recv[:, -1].max())  # a rank that could not encode says so in its rows
-        owned = torch.zeros(sum(b.seg for b in buckets), device=flat.device)
-        if not flag:
-            owned = self._owner_sum(recv, buckets, bits, offsets, widths, average)
-        seg_at = _starts([b.seg for b in buckets])
-        piece, flag = _guarded(
-            lambda: torch.cat(
-                [
-                    _encode(owned[a : a + b.seg].reshape(-1, S), 1, bb, gen)
-                    for b, bb, a in zip(buckets, bits, seg_at, strict=True)
-                ],
-                dim=1,
-            ),
-            (1, sum(widths)),
-            flag or _OWNER_FLAG,
-            flat.device,
-            failed=bool(flag),
-        )
-        gathered = self._gather(piece.reshape(-1))
-        _raise_flagged(gathered[:, -1], step)
+        stages = _stages(buckets, S, cfg.pipeline_stages)
+        ex = _Exchange(self, comp, stages, average, step)
+        # worker -> owner: encode stage i and start sending it, then sum stage i - 1
+        for i, stage in enumerate(stages):
+            ex.send_stage(stage)
+            if i:
+                ex.owner_stage(stages[i - 1], i - 1)
+        ex.owner_stage(stages[-1], len(stages) - 1)
+        # owner -> everyone: every piece carries the owner's worst flag over all stages, so
+        # the first gathered stage tells every rank whether to raise before `flat` changes
+        gathers = [self._start_gather(ex.owner_piece(k)) for k in range(len(stages))]
         decoded_own = []
-        for b, bb, o, w in zip(buckets, bits, offsets, widths, strict=True):
-            values = _decode(gathered[:, o : o + w], b.seg, S, bb)
-            decoded_own.append(values[self.rank])
-            flat[b.lo : b.hi].copy_(values.reshape(-1)[: b.n])
+        for k, (stage, gathering) in enumerate(zip(stages, gathers, strict=True)):
+            gathered = gathering.wait()
+            if k == 0:
+                _raise_flagged(gathered[:, -1], step)
+            for b, o, w in stage.columns:
+                values = _decode(gathered[:, o : o + w], b.seg, S, b.bits, cfg.codec)
+                if cfg.error_feedback:
+                    decoded_own.append(values[self.rank].clone())
+                flat[b.lo : b.hi].copy_(values.reshape(-1)[: b.n])
         if cfg.error_feedback:  # what each of the two encodings dropped
-            mine = [
-                _decode(send[:, o : o + w], b.seg, S, bb).reshape(-1)[: b.n]
-                for b, bb, o, w in zip(buckets, bits, offsets, widths, strict=True)
-            ]
+            mine = [_decode(send[:, o : o + w], b.seg, S, b.bits, cfg.codec).reshape(-1)[: b.n]
+                    for stage, send in zip(stages, ex.sent, strict=True)
+                    for b, o, w in stage.columns]  # fmt: skip
             self._worker_fb.update(comp, torch.cat(mine))
-            self._owner_fb.update(owned, torch.cat(decoded_own))
-        return 2 * (W - 1) * piece.numel()
-
-    def _owner_sum(self, recv, buckets, bits, offsets, widths, average: bool) -> torch.Tensor:
-        """This rank's segments: the W decoded contributions summed in fp32 in rank order
-        (divided by W for a mean; plus the owner's residual with error feedback)."""
-        S = self.config.chunk_size
-        owned = torch.cat(
-            [
-                _decode(recv[:, o : o + w], b.seg, S, bb).sum(dim=0)
-                for b, bb, o, w in zip(buckets, bits, offsets, widths, strict=True)
-            ]
-        )
-        if average:
-            owned.div_(self.world)
-        return self._owner_fb.compensate(owned) if self.config.error_feedback else owned
-
-    def _gather(self, piece: torch.Tensor) -> torch.Tensor:
-        """[W, bytes]: every rank's `piece` in rank order (gloo wants a flat output)."""
-        out = torch.empty(self.world * piece.numel(), dtype=piece.dtype, device=piece.device)
-        if self.ops is not None:
-            self.ops.all_gather(out, piece)
-        else:
-            _all_gather(out, piece, group=self.group)
-        return out.reshape(self.world, piece.numel())
+            self._owner_fb.update(torch.cat(ex.owned), torch.cat(decoded_own))
+        return 2 * (W - 1) * sum(stage.width + 1 for stage in stages)
 
     def _topk(self, flat, ranges, average: bool, step: int) -> int:
         W, ratio = self.world, self.config.topk_ratio
@@ -509,7 +608,7 @@ class QuantizedAllReduce:
             return torch.cat([idx.to(torch.int32).view(torch.uint8), val.view(torch.uint8)])[None]
 
         piece, _ = _guarded(encode, (1, 8 * k), _rank_flag(self.rank), flat.device)
-        gathered = self._gather(piece.reshape(-1))
+        gathered = self._start_gather(piece.reshape(-1)).wait()
         _raise_flagged(gathered[:, -1], step)
         body = gathered[:, :-1].contiguous()  # rows of 8k bytes: aligned for int32 / fp32 views
         total = torch.zeros_like(comp)

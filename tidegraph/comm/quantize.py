@@ -10,12 +10,16 @@ between cloud nodes fp32 traffic bounds scaling. Three codecs cut it:
   up as a bias would; the per-value error is below one step (range / (2^b - 1)) and its variance
   below step^2 / 4. Codes are clamped to 2^b - 1 after rounding, so a value that floating-point
   rounding pushes past the top level can never carry into the neighbouring field of a packed
-  byte. 4- and 2-bit codes are packed two or four to a byte, low bits first; a chunk's codes are
-  contiguous, so a run of whole chunks can be cut out of the payload and sent alone (the
-  quantized all-reduce sends each rank its own run). The tensor is padded to whole chunks with
-  copies of its last value (padding never widens the last chunk's range) and cut back on
-  decoding. Randomness comes from a `torch.Generator` the caller passes (the same generator
-  state gives the same codes); the code is the same on CPU and CUDA, vectorized over chunks.
+  byte. 4- and 2-bit codes are packed two or four to a byte, planar within a chunk (byte j of
+  a chunk of S holds its codes j and j + S/2 at 4 bits, j, j + S/4, j + S/2, j + 3S/4 at 2
+  bits), low bits first; a chunk's codes are contiguous, so a run of whole chunks can be cut
+  out of the payload and sent alone (the quantized all-reduce sends each rank its own run).
+  The tensor is padded to whole chunks with copies of its last value (padding never widens the
+  last chunk's range) and cut back on decoding. Randomness: one key per call drawn from a
+  `torch.Generator` the caller passes (the same generator state gives the same codes), hashed
+  with each value's index (`kernels`: each value's uniform is exactly uniform over 2^16
+  levels); the code is the same on CPU and CUDA, vectorized over chunks, and runs compiled
+  by inductor or eagerly with identical results (`codec`).
 * `quantize_rows` / `dequantize_rows`: symmetric int8 with one scale per row, for feature and
   memory rows fetched from remote shards (a row of zeros, like fresh TGN memory, stays exact).
 * `topk_sparsify` / `topk_densify`: the k largest magnitudes and their indices.
@@ -34,6 +38,8 @@ import logging
 from dataclasses import dataclass
 
 import torch
+
+from tidegraph.comm.kernels import decode_rows, encode_rows, pack_rows, unpack_rows
 
 __all__ = [
     "BITS",
@@ -112,62 +118,56 @@ def _check_chunk_size(chunk_size: int) -> None:
         )
 
 
-def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """uint8 codes below 2^bits (a multiple of 8 // bits of them) packed, low bits first."""
+def pack_bits(codes: torch.Tensor, bits: int, row: int | None = None) -> torch.Tensor:
+    """uint8 codes below 2^bits packed 8 // bits to a byte, planar per `row` codes (a chunk's;
+    default all of them): byte j of a row holds its codes j, j + row / p, ... (p = 8 // bits),
+    low bits first. `row` is a multiple of p."""
     _check_bits(bits)
-    if bits == 8:
-        return codes.reshape(-1)
-    fields = codes.reshape(-1, 8 // bits)
-    out = fields[:, 0].clone()
-    for i in range(1, 8 // bits):  # 1 or 3 whole-tensor ops, not a loop over values
-        out |= fields[:, i] << (i * bits)
-    return out
+    flat = codes.reshape(-1)
+    return pack_rows(flat.reshape(-1, row or max(flat.numel(), 1)), bits).reshape(-1)
 
 
-def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """The codes `pack_bits` packed (8 // bits per byte), as uint8."""
+def unpack_bits(packed: torch.Tensor, bits: int, row: int | None = None) -> torch.Tensor:
+    """The codes `pack_bits(codes, bits, row)` packed, as uint8."""
     _check_bits(bits)
-    if bits == 8:
-        return packed.reshape(-1)
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
-    mask = (1 << bits) - 1
-    return ((packed.reshape(-1, 1) >> shifts) & mask).reshape(-1)
+    flat = packed.reshape(-1)
+    width = row * bits // 8 if row else max(flat.numel(), 1)
+    return unpack_rows(flat.reshape(-1, width), bits).reshape(-1)
 
 
 def _uniform(shape: tuple[int, ...], like: torch.Tensor, generator) -> torch.Tensor:
     return torch.rand(shape, generator=generator, device=like.device, dtype=torch.float32)
 
 
+def _key(generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    """One call's random key (two words below 2^32), drawn from `generator`."""
+    return torch.randint(0, 1 << 32, (2,), generator=generator, device=device, dtype=torch.int64)
+
+
 def quantize_chunks(
-    chunks: torch.Tensor, bits: int, generator: torch.Generator | None = None
+    chunks: torch.Tensor,
+    bits: int,
+    generator: torch.Generator | None = None,
+    codec: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stochastic codes of fp32 `chunks` [C, S] (S a multiple of 4), one range per row.
 
     Returns (packed uint8 [C, S * bits / 8], mins [C], scales [C]); raises ValueError on
-    non-finite input or a range that overflows fp32.
+    non-finite input or a range that overflows fp32. `codec`: run the kernels compiled or
+    eagerly ("auto": compiled on CPU when a C++ compiler is there); the codes are the same.
     """
     _check_bits(bits)
-    levels = (1 << bits) - 1
-    mins, maxs = chunks.amin(dim=1), chunks.amax(dim=1)  # (aminmax is slower on CPU)
-    scales = (maxs - mins) / levels
+    packed, mins, scales = encode_rows(chunks, _key(generator, chunks.device), bits, codec)
     if not bool(torch.isfinite(scales).all()):
-        _raise_nonfinite(chunks, mins, maxs)
-    inv = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
-    v = chunks - mins[:, None]  # >= 0 exactly: rounding a nonnegative difference stays >= 0
-    v.mul_(inv[:, None])
-    v.add_(_uniform(tuple(v.shape), v, generator))  # floor(v + u): up with probability frac(v)
-    # clamp: never spill into the next packed field; then the cast truncates (floors, v >= 0)
-    codes = v.clamp_(max=levels).to(torch.uint8)
-    packed = pack_bits(codes, bits).reshape(chunks.shape[0], chunks.shape[1] * bits // 8)
+        _raise_nonfinite(chunks, chunks.amin(dim=1), chunks.amax(dim=1))
     return packed, mins, scales
 
 
 def dequantize_chunks(
-    packed: torch.Tensor, mins: torch.Tensor, scales: torch.Tensor, bits: int
+    packed: torch.Tensor, mins: torch.Tensor, scales: torch.Tensor, bits: int, codec: str = "auto"
 ) -> torch.Tensor:
     """fp32 [C, S] values of `quantize_chunks`'s output (`packed` [C, S * bits / 8])."""
-    codes = unpack_bits(packed, bits).reshape(packed.shape[0], packed.shape[1] * 8 // bits)
-    return torch.addcmul(mins[:, None], codes.to(torch.float32), scales[:, None])
+    return decode_rows(packed, mins, scales, bits, codec)
 
 
 def _raise_nonfinite(chunks: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor):
@@ -203,6 +203,7 @@ def quantize(
     bits: int,
     chunk_size: int = 256,
     generator: torch.Generator | None = None,
+    codec: str = "auto",
 ) -> Quantized:
     """Stochastic `bits`-bit codes of `x` (any shape; fp32, bf16 or fp16)."""
     _check_bits(bits)
@@ -210,14 +211,14 @@ def quantize(
     flat = _flat_fp32(x)
     n_chunks = -(-flat.numel() // chunk_size)
     chunks = _pad_to(flat, n_chunks * chunk_size).reshape(n_chunks, chunk_size)
-    packed, mins, scales = quantize_chunks(chunks, bits, generator)
+    packed, mins, scales = quantize_chunks(chunks, bits, generator, codec)
     return Quantized(packed.reshape(-1), mins, scales, bits, chunk_size, x.shape, x.dtype)
 
 
-def dequantize(q: Quantized) -> torch.Tensor:
+def dequantize(q: Quantized, codec: str = "auto") -> torch.Tensor:
     """The decoded tensor, in `q`'s original shape and dtype."""
     packed = q.payload.reshape(q.mins.numel(), q.chunk_size * q.bits // 8)
-    values = dequantize_chunks(packed, q.mins, q.scales, q.bits)
+    values = dequantize_chunks(packed, q.mins, q.scales, q.bits, codec)
     return values.reshape(-1)[: q.numel].reshape(q.shape).to(q.dtype)
 
 
@@ -285,17 +286,24 @@ class ErrorFeedback:
 
     def compensate(self, x: torch.Tensor) -> torch.Tensor:
         out = x.reshape(-1).to(torch.float32, copy=True)
-        if self.residual is not None:
-            if self.residual.numel() != out.numel() or self.residual.device != out.device:
-                log.info(
-                    "error feedback: dropping a residual of %d values for an input of %d",
-                    self.residual.numel(),
-                    out.numel(),
-                )
-                self.residual = None
-            else:
-                out.add_(self.residual)
+        residual = self.residual_for(out.numel(), out.device)
+        if residual is not None:
+            out.add_(residual)
         return out
+
+    def residual_for(self, numel: int, device: torch.device) -> torch.Tensor | None:
+        """The residual for an input of `numel` values on `device`, or None (none yet, or
+        one of another size, which is dropped)."""
+        if self.residual is not None and (
+            self.residual.numel() != numel or self.residual.device != device
+        ):
+            log.info(
+                "error feedback: dropping a residual of %d values for an input of %d",
+                self.residual.numel(),
+                numel,
+            )
+            self.residual = None
+        return self.residual
 
     def update(self, compensated: torch.Tensor, decoded: torch.Tensor) -> None:
         self.residual = compensated - decoded.reshape(-1).to(torch.float32)
