@@ -127,11 +127,17 @@ def test_a_good_yaml_file_maps_onto_run_config(tmp_path):
     assert read_yaml(str(tmp_path / "empty.yaml")) == {}
 
 
-def test_batch_history_with_several_trainers_is_refused_naming_both_fields():
-    """Each trainer knows only its slice of a batch: `history: batch` would let a slice's
-    roots see earlier events of the batch held by other slices, so it is refused."""
+def test_batch_history_with_several_trainers_on_ray_needs_whole_passes():
+    """Every training slice carries its batch's start, and so does every evaluation slice of
+    a whole pass; a Ray evaluation task per slice (step-per-task, sharded node state) does
+    not know it, so that combination is refused naming the fields."""
     from tidegraph.training.config import RunConfig
 
-    with pytest.raises(ValueError, match=r"sampler.history 'batch' needs cluster.trainers 1"):
-        RunConfig.from_dict({"sampler": {"history": "batch"}, "cluster": {"trainers": 2}})
-    assert RunConfig.from_dict({"sampler": {"history": "batch"}}).sampler.history == "batch"
+    batch = {"sampler": {"history": "batch"}}
+    for cluster in ({"whole_passes": False}, {"memory": "sharded"}):
+        with pytest.raises(ValueError, match=r"sampler.history 'batch' with several trainers"):
+            RunConfig.from_dict(batch | {"cluster": {"backend": "ray", "trainers": 2, **cluster}})
+        RunConfig.from_dict(batch | {"cluster": {"trainers": 2, **cluster}})  # local: exact
+    for trainers in (2, {"min": 1, "max": 2}):
+        cfg = RunConfig.from_dict(batch | {"cluster": {"backend": "ray", "trainers": trainers}})
+        assert cfg.sampler.history == "batch"

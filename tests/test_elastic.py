@@ -215,3 +215,21 @@ def test_the_linear_rule_scales_batch_and_learning_rate_with_the_group(
         assert again.group.start_trainers == 2 and again.group.train_batch_size == batch
     finally:
         again.group.shutdown()
+
+
+def test_batch_history_resized_mid_pass_keeps_every_slice_at_its_batch_start(
+    ray_session, wiki, quick_polls
+):
+    """`sampler.history: batch`: the rest of a pass is cut anew for the new group, and every
+    slice still carries its global batch's start (cut at a slice's own start instead, the
+    later slices see earlier events of their batch: 7e-2 on a weight)."""
+
+    def batch_history(trainers) -> RunConfig:
+        cfg = config(trainers)
+        cfg.sampler.history = "batch"
+        return cfg
+
+    fixed = run(batch_history(2), wiki)
+    got = run(batch_history({"min": 1, "max": 2}), wiki, wants(1, 2))
+    assert [(r["from"], r["to"]) for r in got["resizes"]] == [(2, 1), (1, 2)]
+    assert_close_run(got, fixed)

@@ -162,13 +162,16 @@ def test_batch_history_learns_and_differs_from_event_history(wiki):
     assert runs["batch"]["val_ap"] != runs["event"]["val_ap"]
 
 
-def test_batch_history_on_ray_equals_the_local_group(ray_session, wiki):
+@pytest.mark.parametrize("trainers", [1, 2])
+def test_batch_history_on_ray_equals_the_local_group(ray_session, wiki, trainers):
     """Shards answer capped requests; the trainer's hop loop restores own times: on Ray
-    (two shard actors, one trainer actor) the run is the in-process group's, bitwise."""
+    (two shard actors, one or two trainer actors) the run is the in-process group's,
+    bitwise. With two, every slice is capped at its global batch's start: training slices
+    carry it, evaluation slices of a whole pass agree on it (a collective)."""
     out = []
     for backend in ("local", "ray"):
         set_determinism(7, threads=1)
-        learner = _learner("batch", wiki, backend=backend, shards=2)
+        learner = _learner("batch", wiki, trainers, backend=backend, shards=2)
         try:
             learner.run_phase1()
             out.append((learner.group.model_state(), learner.history))

@@ -36,6 +36,12 @@ class _Trainer:
         self.incarnation = incarnation
         self.num_nodes = num_nodes  # node ids the tables have room for
         self.config = RunConfig.from_dict(config)
+        if sharded and self.config.sampler.history == "batch" and self.config.cluster.trainers > 1:
+            raise ValueError(  # the node-state size chose sharded (`cluster.memory: auto`)
+                "sampler.history 'batch' with several trainers needs replicated node state "
+                "(cluster.memory: replicated): with sharded state evaluation runs a task per "
+                "slice, and a slice does not know its batch's start"
+            )
         c = self.config.cluster
         self.rank, self.world = rank, world
         self.partitioner = build_partitioner(c.partitioner, c.shards)
@@ -177,14 +183,17 @@ class _Trainer:
         self.core.grow(num_nodes)
         self.num_nodes = max(self.num_nodes, num_nodes)
 
-    def train_and_step(self, ev, weight, neg, num_observe: int, global_size: int, *before):
-        """`before`: the previous step's node-state updates of every slice, applied first
-        (one task per step instead of two)."""
+    def train_and_step(
+        self, ev, weight, neg, num_observe: int, global_size: int, start, *before
+    ):  # fmt: skip
+        """A slice of `schedule.train_slices` (`start`: the global batch's start); `before`:
+        the previous step's node-state updates of every slice, applied first (one task per
+        step instead of two)."""
         if before:
             self.core.apply_updates(list(before))
         with self._leaving_on_error():  # peers in the step's collectives fail at once
             return self.core.train_and_step(ev, weight, neg, num_observe, global_size,
-                                            self.collective)  # fmt: skip
+                                            self.collective, start=start)  # fmt: skip
 
     def train_pass(self, slices: list, *before) -> list[float] | None:
         """Every step of a training pass: per step this trainer's slice, the all-reduce, the
@@ -196,14 +205,14 @@ class _Trainer:
         reported = self._begin_pass(before)
         gather = self.world > 1
         with self._leaving_on_error():
-            for ev, weight, neg, num_observe, global_size in slices:
+            for ev, weight, neg, num_observe, global_size, start in slices:
                 step = self.core.steps
                 if step in self.replay_steps:
                     loss, updates = self._replay(step)
                 else:
                     collective = self._armed(self.collective)
                     loss, updates = self.core.train_and_step(
-                        ev, weight, neg, num_observe, global_size, collective, gather
+                        ev, weight, neg, num_observe, global_size, collective, gather, start
                     )
                     updates = updates if gather else [updates]
                     if self.update_log is not None and self.update_log.wants(step):
@@ -225,8 +234,9 @@ class _Trainer:
         reported = self._begin_pass(before)
         with self._leaving_on_error():
             for ev, neg in slices:
+                start = self._batch_start(ev)
                 if len(ev):
-                    pos, negl, updates = self.core.eval_slice(ev, neg, observe)
+                    pos, negl, updates = self.core.eval_slice(ev, neg, observe, start)
                 else:
                     pos, negl, updates = None, None, None
                 parts = self._gather((pos, negl, updates, self.core.vote))
@@ -237,6 +247,16 @@ class _Trainer:
                 if self._stopping(max(v for *_, v in parts)):
                     break
         return self.pass_results if self.rank == 0 else None
+
+    def _batch_start(self, ev) -> float | None:
+        """With `sampler.history: batch` and several trainers, the earliest time of the
+        evaluation batch this slice is part of (a collective: a slice knows only its own
+        events); otherwise None (a slice's own start is its batch's)."""
+        if self.world == 1 or self.config.sampler.history != "batch":
+            return None
+        own = float(ev.t.min()) if len(ev) else float("inf")
+        start = min(self._gather(own))
+        return None if start == float("inf") else start
 
     @contextlib.contextmanager
     def _leaving_on_error(self):

@@ -29,7 +29,7 @@ from tidegraph.storage.events import EventBatch
 from tidegraph.storage.partition import build_partitioner, partition_report
 from tidegraph.training.balance import SliceBalancer
 from tidegraph.training.fetch import ShardedFeatureStore
-from tidegraph.training.schedule import train_slices
+from tidegraph.training.schedule import batch_start, train_slices
 from tidegraph.training.shard import ShardCore, route_batch
 from tidegraph.training.state import ShardedStateSource
 from tidegraph.training.trainer import TrainerCore
@@ -170,10 +170,12 @@ class LocalGroup:
         """Scores of every slice, concatenated; with `observe`, records `ev` in node state."""
         pos, neg, updates = [], [], []
         bounds = self.balancer.bounds(ev, neg_BQ, self.num_trainers)
+        start = batch_start(ev.t)  # every event evaluated is new
         for trainer, (lo, hi) in zip(self.trainers, bounds, strict=True):
             if hi == lo:
                 continue
-            p, n, u = trainer.eval_slice(ev.select(slice(lo, hi)), neg_BQ[lo:hi], observe)
+            part = ev.select(slice(lo, hi))
+            p, n, u = trainer.eval_slice(part, neg_BQ[lo:hi], observe, start)
             pos.append(p)
             neg.append(n)
             updates.append(u)

@@ -160,15 +160,14 @@ class AutoRootDedup:
         self.left, self.worth = int(state["left"]), bool(state["worth"])
 
 
-def sample_options(config, model, t_new: torch.Tensor | None) -> dict:
+def sample_options(config, model, batch_start: float | None) -> dict:
     """`t_cap` and `dedup_roots` of a trainer's `sample` request, from `config` (a
-    `SamplerConfig`): with `history: batch` roots see only edges before the earliest of the
-    batch's new events (`t_new`; none new, as in a slice of replayed events alone: their own
-    times); `root_dedup` applies to models whose embeddings allow it (`root_dedup`)."""
+    `SamplerConfig`): with `history: batch` roots see only edges before `batch_start`, the
+    earliest time of the global batch's new events (None: none new, as in a batch of replayed
+    events alone: their own times); `root_dedup` applies to models whose embeddings allow it
+    (`root_dedup`; `auto` is then narrowed by an `AutoRootDedup`)."""
     dedup = {"always": 1.0, "never": None}.get(config.root_dedup, AUTO_ROOT_DEDUP)
     if not model.root_dedup or (config.root_dedup == "auto" and config.strategy != "recent"):
         dedup = None
-    cap = None
-    if config.history == "batch" and t_new is not None and t_new.numel():
-        cap = float(t_new.min())
+    cap = batch_start if config.history == "batch" else None
     return {"t_cap": cap, "dedup_roots": dedup}

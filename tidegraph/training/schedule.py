@@ -30,6 +30,7 @@ __all__ = [
     "Schedule",
     "Unit",
     "batch_bounds",
+    "batch_start",
     "increment_bounds",
     "phase1_bounds",
     "slice_bounds",
@@ -173,15 +174,23 @@ def train_slices(
     ev, weight, neg_BQ, num_observe: int, trainers: int, bounds: list | None = None
 ) -> list[tuple]:
     """Per trainer, the arguments of its share of one training step: (events, weights,
-    negatives, how many of its events are new, the global batch size). The first
-    `num_observe` events of the batch are new, so a slice records those it holds. `bounds`:
-    the slices' [lo, hi) (default: even)."""
+    negatives, how many of its events are new, the global batch size, the batch's start).
+    The first `num_observe` events of the batch are new, so a slice records those it holds;
+    the batch's start is the earliest time of those (None: none new), the same for every
+    slice whatever the cut (`sampler.history: batch`). `bounds`: the slices' [lo, hi)
+    (default: even)."""
+    start = batch_start(ev.t[:num_observe])
     out = []
     for lo, hi in bounds or slice_bounds(len(ev), trainers):
         w = None if weight is None else weight[lo:hi]
         n_obs = max(0, min(hi, num_observe) - lo)
-        out.append((ev.select(slice(lo, hi)), w, neg_BQ[lo:hi], n_obs, len(ev)))
+        out.append((ev.select(slice(lo, hi)), w, neg_BQ[lo:hi], n_obs, len(ev), start))
     return out
+
+
+def batch_start(t_new: torch.Tensor) -> float | None:
+    """The earliest of a batch's new events' times `t_new` (None: none new)."""
+    return float(t_new.min()) if t_new.numel() else None
 
 
 def slice_bounds(n: int, trainers: int) -> list[tuple[int, int]]:

@@ -30,6 +30,7 @@ from tidegraph.storage.events import EventBatch
 from tidegraph.training.fetch import flat_blocks, join_edge_features
 from tidegraph.training.optim import FlatAdam
 from tidegraph.training.sampling import AutoRootDedup, sample_options
+from tidegraph.training.schedule import batch_start
 
 __all__ = ["SliceResult", "TrainerCore"]
 
@@ -121,13 +122,13 @@ class TrainerCore:
         ev: EventBatch,
         neg_BQ: torch.Tensor,
         observe: EventBatch | None = None,
-        t_new: torch.Tensor | None = None,
+        start: float | None = None,
     ):
-        """`t_new`: times of the batch's new events (`sampler.history: batch` sees only what
-        precedes them)."""
+        """`start`: the global batch's start (`sampler.history: batch` sees only what
+        precedes it)."""
         t0 = time.perf_counter()
         roots, ts = link_roots(ev.src, ev.dst, neg_BQ, ev.t)
-        options = sample_options(self.config.sampler, self.model, t_new)
+        options = sample_options(self.config.sampler, self.model, start)
         if options["dedup_roots"] is not None and self.config.sampler.root_dedup == "auto":
             kind = "train" if self.model.training else "eval"
             options["dedup_roots"] = self.auto_dedup[kind](roots, ts)
@@ -153,16 +154,20 @@ class TrainerCore:
         neg_BQ: torch.Tensor,
         num_observe: int,
         global_size: int,
+        start: float | None = None,
         exchange=None,
     ) -> SliceResult:
         """Gradient of this slice's share of the global-batch loss; its first `num_observe`
-        events are new in time order and are recorded in node state. `exchange`, if given,
-        is called with the loss and the node-state updates before backward, and what it
-        returns is the result's "updates"."""
+        events are new in time order and are recorded in node state. `start`: the earliest
+        time of the global batch's new events (`schedule.train_slices`; None: this slice's
+        own, which is the batch's with one trainer). `exchange`, if given, is called with
+        the loss and the node-state updates before backward, and what it returns is the
+        result's "updates"."""
         if not self.model.training:  # Module.train() walks every submodule: once per pass
             self.model.train()
         observe = ev.select(slice(0, num_observe)) if num_observe else None
-        (pos, negl), observe = self._forward(ev, neg_BQ, observe, ev.t[:num_observe])
+        start = self._start(start, ev.t[:num_observe])
+        (pos, negl), observe = self._forward(ev, neg_BQ, observe, start)
         self.step_edges.append(self._sampled_edges)
         loss_e = F.binary_cross_entropy_with_logits(pos, torch.ones_like(pos), reduction="none")
         loss_e = loss_e + F.binary_cross_entropy_with_logits(
@@ -201,13 +206,15 @@ class TrainerCore:
         global_size: int,
         collective,
         gather: bool = False,
+        start: float | None = None,
     ) -> tuple[float, dict | list | None]:
         """A whole data-parallel step in a group of trainers: this slice's gradient, summed
         over the group by `collective` (an empty slice contributes zeros), then the optimizer
         step. Returns the slice's loss and node-state updates; `apply_updates` with every
         slice's updates completes the step. With `gather`, the batch's loss (the slices'
         losses summed in rank order) and the updates of every slice (in rank order) are
-        returned instead, exchanged over `collective` during backward.
+        returned instead, exchanged over `collective` during backward. `start`: the global
+        batch's start (`train_slice`).
 
         Every collective of the step finishes before anything of this replica changes (the
         optimizer step comes last): a replica whose group fails mid-step keeps the state of
@@ -218,7 +225,7 @@ class TrainerCore:
                 (loss, u, self.vote), self.device
             )
         if len(ev):
-            result = self.train_slice(ev, weight, neg_BQ, num_observe, global_size, exchange)
+            result = self.train_slice(ev, weight, neg_BQ, num_observe, global_size, start, exchange)
             loss, updates = result["loss"], result["updates"]
         else:
             self.optimizer.zero_grad()
@@ -259,19 +266,21 @@ class TrainerCore:
 
     @torch.no_grad()
     def eval_slice(
-        self, ev: EventBatch, neg_BQ: torch.Tensor, observe: bool
+        self, ev: EventBatch, neg_BQ: torch.Tensor, observe: bool, start: float | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, dict | None]:
         """(pos logits [B], negative logits [B, Q]) on the host, and the node-state updates of
         recording `ev` (None unless `observe`); chunked so one forward has at most
-        `eval_max_roots` roots."""
+        `eval_max_roots` roots. `start`: the earliest time of the global batch (`train_slice`;
+        None: this slice's)."""
         if self.model.training:
             self.model.eval()
         q = neg_BQ.shape[1]
         step = max(1, self.eval_max_roots // (2 + q))
         pos_parts, neg_parts = [], []
-        for start in range(0, len(ev), step):
-            part = ev.select(slice(start, start + step))
-            (pos, negl), _ = self._forward(part, neg_BQ[start : start + step], None, ev.t)
+        start = self._start(start, ev.t)
+        for lo in range(0, len(ev), step):
+            part = ev.select(slice(lo, lo + step))
+            (pos, negl), _ = self._forward(part, neg_BQ[lo : lo + step], None, start)
             pos_parts.append(pos.float().cpu())
             neg_parts.append(negl.float().cpu())
             if observe:
@@ -283,6 +292,13 @@ class TrainerCore:
             recorded = join_edge_features(self.edge_cache, [], ev) if len(ev) else ev
             updates = self.model.take_updates(recorded.to(self.device))
         return torch.cat(pos_parts), torch.cat(neg_parts), updates
+
+    def _start(self, given: float | None, t_new: torch.Tensor) -> float | None:
+        """The batch's start for `sampler.history: batch`: `given`, else the earliest of this
+        slice's new events' times `t_new` (unused with `history: event`)."""
+        if given is not None or self.config.sampler.history != "batch":
+            return given
+        return batch_start(t_new)
 
     # ---- node state -------------------------------------------------------------------------
 
