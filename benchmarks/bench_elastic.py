@@ -21,7 +21,15 @@ costs interval / 2 steps on average (a change at a uniformly random step), at th
 seconds per step. Ray Train v2 also only looks for new resources every 60 s (elastic
 mode's poll), which is not added here.
 
-    python benchmarks/bench_elastic.py [--events 60000]
+With `--what shards` the same scenario grows and shrinks the shard actors instead:
+`cluster.shards: {min: 1, max: 2}` (2 partitions) with one trainer, and a head with room for
+one shard actor (`shard_cpus` 1), which holds both partitions; on the joined node a shard
+actor starts and takes a partition over at a step boundary (its state copied and checked),
+and on the drain notice the partition goes back to the head's actor. Measured: node added
+-> partition moved (and the group's pause for the move), drain notice -> partition back ->
+no actor of the run on the node, and training events/s with one actor and with two.
+
+    python benchmarks/bench_elastic.py [--events 60000] [--what trainers|shards]
 """
 
 from __future__ import annotations
@@ -52,14 +60,15 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import machine  # noqa: E402
 
 
-def config(args, trainers) -> RunConfig:
+def config(args, trainers, shards=2) -> RunConfig:
     raw = {
         "model": {"name": "tgn"},
         "data": {"dataset": "wikipedia", "max_events": args.events},
         "train": {"batch_size": args.batch_size},
         "continual": {"num_increments": args.increments},
-        "cluster": {"backend": "ray", "trainers": trainers, "shards": 2, "trainer_cpus": 1,
-                    "shard_cpus": 0.5, "elastic_poll_s": 0.2},
+        "cluster": {"backend": "ray", "trainers": trainers, "shards": shards, "trainer_cpus": 1,
+                    "shard_cpus": 0.5 if isinstance(shards, int) else 1.0,
+                    "elastic_poll_s": 0.2},
         "progress": False, "out_dir": None, "seed": 0, "run_name": "bench-elastic",
     }  # fmt: skip
     return RunConfig.from_dict(raw)
@@ -84,7 +93,11 @@ def _node_actors(node_id: str, namespace: str) -> list:
 
 def scenario(args, cluster, stream) -> dict:
     """The elastic run: join at `join_at`, drain at `drain_at` of the training steps."""
-    cfg = config(args, {"min": 1, "max": 2})
+    shards = args.what == "shards"
+    if shards:
+        cfg = config(args, 1, {"min": 1, "max": 2})
+    else:
+        cfg = config(args, {"min": 1, "max": 2})
     marks: dict = {}
 
     def during(learner) -> None:
@@ -96,16 +109,14 @@ def scenario(args, cluster, stream) -> dict:
         node = cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1")
         marks["node_added_s"] = time.monotonic() - t0
         marks["t_node"] = time.time()
-        slot = _until(
-            lambda: [
-                s
-                for s in list(group.spares)
-                if ray.util.placement_group_table(s)["state"] == "CREATED"
-            ],
-            60,
-        )
+        pending = (lambda: [pg for pg, _ in group.shard_spares]) if shards else \
+            (lambda: list(group.spares))  # fmt: skip
+        slot = _until(lambda: [s for s in pending()
+                               if ray.util.placement_group_table(s)["state"] == "CREATED"]
+                      or (shards and group.shard_joiners), 60)  # fmt: skip
         marks["slot_placed_s"] = time.time() - marks["t_node"] if slot else None
-        grow = _until(lambda: group.resizes[:1], 300)
+        changes = (lambda: group.shard_resizes) if shards else (lambda: group.resizes)
+        grow = _until(lambda: changes()[:1], 300)
         if not grow:
             return
         marks["grow"] = grow[0]
@@ -118,7 +129,7 @@ def scenario(args, cluster, stream) -> dict:
             node.node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
             "bench: spot preemption", int(time.time() * 1000) + 30_000,
         )  # fmt: skip
-        shrink = _until(lambda: group.resizes[1:2], 60)
+        shrink = _until(lambda: changes()[1:2], 60)
         if shrink:
             marks["shrink"] = shrink[0]
         free = _until(lambda: not _node_actors(node.node_id, cfg.run_name), 60)
@@ -217,6 +228,8 @@ def main() -> None:
         help="fraction of the training steps left after the join",
     )
     p.add_argument("--interval", type=int, default=100, help="baseline checkpoint interval")
+    p.add_argument("--what", choices=("trainers", "shards"), default="trainers",
+                   help="grow and shrink the trainers or the shard actors")  # fmt: skip
     p.add_argument("--out", default=str(Path(__file__).parent / "out"))
     args = args_global = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -253,7 +266,7 @@ def main() -> None:
     print(json.dumps({k: v for k, v in row.items() if k != "resizes"}, indent=2, default=str))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"elastic_wikipedia_{args.events}.json").write_text(
+    (out / f"elastic_{args.what}_wikipedia_{args.events}.json").write_text(
         json.dumps(row, indent=2, default=str)
     )
 

@@ -1,6 +1,7 @@
-"""Elastic groups on several Ray nodes (loopback): a node joins mid-run and a trainer starts
-there and joins the group; the node is drained and its trainer leaves before the deadline;
-a run whose minimum cannot be placed waits, naming what is missing, until a node joins.
+"""Elastic groups on several Ray nodes (loopback): a node joins mid-run and a trainer (or a
+shard actor) starts there and joins the group; the node is drained and its trainer leaves
+(its partitions go to another actor) before the deadline; a run whose minimum cannot be
+placed waits, naming what is missing, until a node joins.
 Each run ends where a fixed-size run ends, up to float summation order (slow)."""
 
 from __future__ import annotations
@@ -168,9 +169,54 @@ def test_a_drained_node_hands_its_shard_over_before_the_deadline(head_only, wiki
     finally:
         if node in head_only.worker_nodes:
             head_only.remove_node(node)
-    (move,) = got["shard_moves"]
+    move = got["shard_moves"][0]  # to the shard actor on the head (no process to start)
     assert move["part"] == seen["part"] and move["from_node"] == node.node_id
-    assert move["to_node"] != node.node_id
+    assert all(m["to_node"] != node.node_id for m in got["shard_moves"])
     assert seen["moved_s"] < 30  # before the drain deadline
+    assert got["recoveries"] == []
+    assert_same_run(got, fixed)
+
+
+def test_a_joining_node_gets_a_shard_actor_and_a_drained_one_hands_it_back(
+    head_only, wiki, monkeypatch
+):
+    """`shards: {min: 1, max: 2}` on a head with room for one shard actor: it holds both
+    partitions. A node joins: an actor starts there and takes a partition over at a step
+    boundary; the node is drained: the partition goes back to the head's actor before the
+    deadline. The run is bitwise the one with 2 fixed shards."""
+    monkeypatch.setattr(RayGroup, "progress_s", 0.02)
+    fixed = run(config(1), wiki)
+    cfg = config(1)
+    cfg.cluster.shards, cfg.cluster.min_shards, cfg.cluster.max_shards = 2, 1, 2
+    cfg.cluster.shard_cpus = 1.0  # the head (2 CPUs) has room for a trainer and one actor
+    seen: dict = {}
+
+    def during(learner) -> None:
+        group = learner.group
+        seen["start"] = len(group._shard_hosts())
+        node = head_only.add_node(num_cpus=1, node_ip_address="127.0.0.1")
+        seen["node"] = node.node_id
+        until(lambda: group.shard_resizes[:1], 120, "a shard actor to start on the new node")
+        seen["grown"] = {n for n in group._shard_nodes()}
+        gcs = ray._raylet.GcsClient(address=head_only.address)
+        seen["drain"] = time.monotonic()
+        accepted, why = gcs.drain_node(
+            node.node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
+            "test: spot preemption", int(time.time() * 1000) + 30_000,
+        )  # fmt: skip
+        assert accepted, why
+        until(lambda: group.shard_resizes[1:2], 30, "the partition to come back")
+        seen["back_s"] = time.monotonic() - seen["drain"]
+        seen["after"] = {n for n in group._shard_nodes()}
+        head_only.remove_node(node)
+
+    got = run(cfg, wiki, during, join_s=180, during_in_main=True)
+    assert seen["start"] == 1
+    assert seen["node"] in seen["grown"] and len(seen["grown"]) == 2
+    assert seen["node"] not in seen["after"] and len(seen["after"]) == 1
+    sizes = [(r["from"], r["to"]) for r in got["shard_resizes"]]
+    assert sizes[:2] == [(1, 2), (2, 1)], sizes
+    assert "draining" in got["shard_resizes"][1]["reason"]
+    assert seen["back_s"] < 30  # before the drain deadline
     assert got["recoveries"] == []
     assert_same_run(got, fixed)

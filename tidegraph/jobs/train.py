@@ -110,14 +110,17 @@ def _parser() -> argparse.ArgumentParser:
         "--trainers", type=_trainers,
         help="data-parallel trainers: W, or MIN:MAX for an elastic group (ray backend)",
     )  # fmt: skip
-    p.add_argument("--shards", type=int, help="graph shards P (default 1)")
+    p.add_argument(
+        "--shards", type=_trainers,
+        help="graph shards P, or MIN:MAX shard actors holding P = MAX partitions (ray backend)",
+    )  # fmt: skip
     p.add_argument("--memory", help="node state placement: auto, replicated or sharded")
     p.add_argument("--partitioner", help="hash (default) or ldg")
     return p
 
 
 def _trainers(text: str) -> int | dict:
-    """`--trainers W` or `--trainers MIN:MAX`."""
+    """`--trainers W` or `--trainers MIN:MAX` (and `--shards`)."""
     try:
         if ":" in text:
             lo, hi = text.split(":")
