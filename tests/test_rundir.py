@@ -118,7 +118,7 @@ def test_a_ray_run_whose_driver_is_killed_resumes_to_the_local_result(tmp_path):
         # cut after the phase-1 checkpoint, once steps since it are logged (the next
         # checkpoint comes after increment 2)
         if latest.exists() and latest.read_text().startswith("phase1"):
-            logged = len(list(updates.glob("step-*.pt")))
+            logged = len(list(updates.glob("step-*.rec")))
             at_phase1 = logged if at_phase1 is None else at_phase1
             if logged >= at_phase1 + 3:
                 break
