@@ -16,6 +16,9 @@ Scenarios, each a whole continual run compared with a fault-free run of the same
   new group start and checkpoint load are timed on that real path; recomputing the steps since
   a checkpoint every 100 steps is the measured seconds per training step x the steps since
   a seeded uniformly random failure step;
+- `logging`, `logging_toggled`: the failure-free cost of the update log at every step, as
+  back-to-back runs with it off and on (--log-pairs pairs), or switched at every training
+  pass of two runs;
 - `node`: a `ray.cluster_utils.Cluster` on loopback (head + 3 one-CPU worker nodes, a two-CPU
   node); the node holding trainer 1 (a one-CPU node, without trainer 0) is removed.
 
@@ -66,6 +69,7 @@ SCENARIOS = (
     "restart",
     "replay",
     "logging",
+    "logging_toggled",
     "node",
 )
 MARKS: dict = {}  # what the wrappers below saw during the current run
@@ -468,6 +472,44 @@ def scenario_logging(args, stream, step_s: float) -> dict:
             "train_events_per_s": args.batch_size / pairs[-1]["on_s_per_step"]}  # fmt: skip
 
 
+def scenario_logging_toggled(args, stream) -> dict:
+    """The update log switched on and off at every training pass of one run (so load that
+    drifts over minutes hits both alike), in two runs, the first starting with it on and the
+    second with it off. An on pass is timed to the end of its last record's write (the log
+    is closed, flushing its queue, inside the timing)."""
+    train_pass = RayGroup.train_pass
+    passes, runs = [], []
+    for first_on in (True, False):
+        state = {"on": first_on}
+        with tempfile.TemporaryDirectory() as tmp:
+
+            def toggled(self, batches, progress=None, state=state, tmp=tmp):
+                on, state["on"] = state["on"], not state["on"]
+                self.set_update_log(tmp if on else None, 1, ())
+                t0 = time.perf_counter()
+                out = train_pass(self, batches, progress)
+                if on:
+                    self.set_update_log(None, 1, ())
+                passes.append((on, time.perf_counter() - t0, len(batches)))
+                return out
+
+            RayGroup.train_pass = toggled
+            load = os.getloadavg()[0]
+            try:
+                run(config(args), stream)
+            finally:
+                RayGroup.train_pass = train_pass
+            runs.append({"first_on": first_on, "load_before": load,
+                         "load_after": os.getloadavg()[0]})  # fmt: skip
+    per_step = {
+        on: sum(s for o, s, _ in passes if o == on) / sum(n for o, _, n in passes if o == on)
+        for on in (True, False)
+    }
+    return {"scenario": "logging_toggled", "runs": runs, "passes": len(passes),
+            "on_s_per_step": per_step[True], "off_s_per_step": per_step[False],
+            "overhead": per_step[True] / per_step[False] - 1}  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--dataset", default="wikipedia")
@@ -554,6 +596,11 @@ def main() -> None:
             save(args, rows)
         if "logging" in todo:  # failure-free overhead of writing the update log
             row = scenario_logging(args, stream, step_s)
+            print(row)
+            rows.append(row)
+            save(args, rows)
+        if "logging_toggled" in todo:
+            row = scenario_logging_toggled(args, stream)
             print(row)
             rows.append(row)
             save(args, rows)
