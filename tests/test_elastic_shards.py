@@ -151,3 +151,23 @@ def test_a_lost_actor_holding_two_partitions_is_rebuilt_by_the_survivors(
     sizes = [(r["from"], r["to"]) for r in got["shard_resizes"]]
     assert sizes[:2] == [(4, 3), (2, 3)], sizes  # a new actor in the lost one's slot
     assert_same_run(got, fixed)
+
+
+def test_node_state_rows_move_with_their_partitions(ray_session, wiki, quick_polls):
+    """`cluster.memory: sharded`: shard actors own their partitions' node-state rows (TGN
+    memory), so a partition that moves takes its rows along. 4 partitions, 4 actors -> 2 ->
+    4 mid-run, bitwise the run with 4 fixed shards."""
+    want = run(config(PARTS, memory="sharded"), wiki)
+
+    def during(learner) -> None:
+        group = learner.group
+        _at(learner, 0.15)
+        _ask(learner, 2)
+        _until(lambda: group.shard_resizes, "the shrink")
+        _ask(learner, 4)
+        _until(lambda: len(group.shard_resizes) >= 2 or learner.done, "the grow")
+
+    got = run(config({"min": 1, "max": PARTS}, memory="sharded"), wiki, during, join_s=180)
+    sizes = [(r["from"], r["to"]) for r in got["shard_resizes"]]
+    assert sizes[0] == (4, 2), sizes
+    assert_same_run(got, want)

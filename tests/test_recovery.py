@@ -319,3 +319,49 @@ def test_sharded_node_state_recovers_in_step_per_task_runs(
     else:
         assert any(e.get("lost") == [1] for e in got["recoveries"])
     assert_same_run(got, sharded_fault_free)
+
+
+@pytest.mark.parametrize(("at", "kind"), [("forward", "fault"), ("after_step", "fault"),
+                                          ("sigkill", "outside")])  # fmt: skip
+def test_a_task_per_step_run_recovers_its_pipelined_steps_bitwise(
+    ray_session, wiki, fault_free, at, kind
+):
+    """`cluster.whole_passes: false` with replicated node state: the driver keeps up to
+    `pipeline_depth` steps in flight, each carrying the node-state updates of the step
+    before. A trainer lost mid-pass (a fault at a step, or SIGKILLed from outside) makes the
+    group recover from the most advanced survivor and send again the steps it does not hold,
+    each with the updates before it; a survivor that applied some already skips them
+    (numbered). The run ends bitwise as the fault-free whole-pass run."""
+    faults = [{"trainer": 1, "step": 5, "at": at}] if kind == "fault" else []
+    cfg = config(faults, whole_passes=False)
+    during = None
+    if kind == "outside":
+
+        def during(learner) -> None:
+            for _ in range(60000):  # bounded: until the driver is a few steps into a pass
+                if learner.cursor.step >= 6:
+                    os.kill(ray.get(learner.group.trainers[1].pid.remote()), signal.SIGKILL)
+                    return
+                time.sleep(0.001)
+
+    got = run(cfg, wiki, during=during)
+    assert [e["lost"] for e in got["recoveries"]] == [[1]]
+    assert got["trainer_steps"] == [fault_free["steps"]] * 2
+    assert_same_run(got, fault_free)
+
+
+def test_a_task_per_step_run_applies_each_batch_of_updates_once(ray_session, wiki):
+    """APAN's mailbox takes every delivery again (a ring of mails per node): a survivor that
+    applied the updates before the failed step, when they come again with the step sent
+    anew, must skip them, or the mailboxes shift. Trainer 1 dies at the forward pass of step
+    5, after both trainers applied step 4's updates."""
+
+    def apan(faults=()) -> RunConfig:
+        cfg = config(faults, whole_passes=False)
+        cfg.model.name = "apan"
+        return RunConfig.from_dict(cfg.to_dict())
+
+    want = run(apan(), wiki)
+    got = run(apan([{"trainer": 1, "step": 5, "at": "forward"}]), wiki)
+    assert [e["lost"] for e in got["recoveries"]] == [[1]]
+    assert_same_run(got, want)

@@ -21,7 +21,10 @@ from tidegraph.storage.partition import build_partitioner
 from tidegraph.training.config import RunConfig
 from tidegraph.training.group import build_trainer
 
-__all__ = ["TrainerActor"]
+__all__ = ["ALL_SLICES", "TrainerActor"]
+
+# marks a `before` of (seq, ALL_SLICES, every slice's updates as one list)
+ALL_SLICES = "all-slices"
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +47,7 @@ class _Trainer:
             )
         c = self.config.cluster
         self.rank, self.world = rank, world
+        self.sharded = sharded
         self.partitioner = build_partitioner(c.partitioner, c.shards)
         proxies = [RemoteShard(h) for h in shards]
         # shards on this node are sampled here, over their segments in the object store
@@ -62,6 +66,7 @@ class _Trainer:
         self.coordinator = None
         self._asked = None  # rank 0's last report: whether the driver asks the group to stop
         self.pass_results: list = []
+        self.applied_seq = -1  # the driver's number of the last node-state updates applied
         self.update_log: UpdateLog | None = None  # rank 0 writes it (`set_update_log`)
         self.replay_dir, self.replay_steps = None, frozenset()
         self.replayed, self.replay_s = 0, 0.0
@@ -138,9 +143,19 @@ class _Trainer:
         self._asked = self.coordinator.report.remote(steps)
         return now
 
+    def _apply_before(self, before: tuple) -> None:
+        """`before`: () or (seq, the updates of every slice of one step): node-state
+        updates the driver numbered, applied once each (a step run again after a recovery
+        carries the updates a survivor may have applied already: it skips them)."""
+        if before and before[0] > self.applied_seq:
+            parts = before[1:]
+            if parts[:1] == (ALL_SLICES,):  # one trainer's copy of every slice's updates
+                parts = parts[1]
+            self.core.apply_updates(list(parts))
+            self.applied_seq = before[0]
+
     def _begin_pass(self, before: tuple) -> float:
-        if before:
-            self.core.apply_updates(list(before))
+        self._apply_before(before)
         self.pass_results, self._asked = [], None
         self.core.vote = self.core.group_vote = 0
         return time.monotonic()
@@ -188,12 +203,19 @@ class _Trainer:
     ):  # fmt: skip
         """A slice of `schedule.train_slices` (`start`: the global batch's start); `before`:
         the previous step's node-state updates of every slice, applied first (one task per
-        step instead of two)."""
-        if before:
-            self.core.apply_updates(list(before))
+        step instead of two; `_apply_before`). With replicated node state and several
+        trainers the slices' losses and updates are exchanged within the step (before the
+        optimizer steps), so every trainer returns the batch's loss and every slice's
+        updates: any one that finished the step holds all of it (`RayGroup._redo`)."""
+        self._apply_before(before)
+        gather = self.world > 1 and not self.sharded
         with self._leaving_on_error():  # peers in the step's collectives fail at once
-            return self.core.train_and_step(ev, weight, neg, num_observe, global_size,
-                                            self.collective, start=start)  # fmt: skip
+            loss, updates = self.core.train_and_step(
+                ev, weight, neg, num_observe, global_size, self._armed(self.collective),
+                gather, start,
+            )  # fmt: skip
+        self._fault("after_step", self.core.steps - 1)
+        return loss, updates if gather or self.sharded else [updates]
 
     def train_pass(self, slices: list, *before) -> list[float] | None:
         """Every step of a training pass: per step this trainer's slice, the all-reduce, the
@@ -303,12 +325,13 @@ class _Trainer:
         member: the results of its whole steps (their count is where it stands); the
         failed step's partial work is dropped."""
         self.core.abort_step()
-        return {"done": len(self.pass_results), "results": self.pass_results}
+        return {"done": len(self.pass_results), "results": self.pass_results,
+                "steps": self.core.steps}  # fmt: skip
 
     def replica_state(self) -> dict:
         """Everything a replacement needs to be this replica: parameters, optimizer,
-        replicated node state, feature cache."""
-        return self.core.state_dict()
+        replicated node state, feature cache, the last node-state updates applied."""
+        return {"core": self.core.state_dict(), "applied_seq": self.applied_seq}
 
     def nodes(self) -> int:
         return self.num_nodes
@@ -316,19 +339,20 @@ class _Trainer:
     def load_replica(self, state: dict, results: list) -> None:
         """Become a copy of a replica that stands `len(results)` steps into the pass."""
         self.core.abort_step()
-        self.core.load_state_dict(state)
+        self.core.load_state_dict(state["core"])
+        self.applied_seq = state["applied_seq"]
         self.pass_results = list(results)
 
     def pid(self) -> int:
         return os.getpid()
 
     def eval_slice(self, ev, neg, observe: bool, *before):
-        if before:
-            self.core.apply_updates(list(before))
+        self._apply_before(before)
         return self.core.eval_slice(ev, neg, observe)
 
-    def apply_updates(self, *updates) -> None:
-        self.core.apply_updates(list(updates))
+    def apply_updates(self, *before) -> None:
+        """`before` as `_apply_before` takes it."""
+        self._apply_before(before)
 
     def call(self, method: str, *args):
         """Any other `TrainerCore` method (state, node state, optimizer, cache)."""

@@ -35,6 +35,7 @@ from ray.util.scheduling_strategies import (
 
 from tidegraph.actors import CoordinatorActor, TrainerActor
 from tidegraph.actors.shard import PartHandle, ShardHostActor
+from tidegraph.actors.trainer import ALL_SLICES
 from tidegraph.elastic.policy import ResizeDecision, plan_parts, plan_resize, scaled
 from tidegraph.recovery.policy import NoReplicaLeft, plan_trainer_recovery
 from tidegraph.rng import load_generator_state, seed_for, stream
@@ -154,13 +155,17 @@ def _slot_node(pg, bundle: int = 0) -> str | None:
 
 
 class PendingLoss:
-    """The loss of a submitted step; `value()` waits for it."""
+    """The loss of a submitted step; `value()` waits for it (`settle`, if given, first: it
+    recovers the group and runs the step again when a trainer was lost, and points `refs`
+    at the new answers)."""
 
-    def __init__(self, refs: list) -> None:
-        self._refs, self._value = refs, None
+    def __init__(self, refs: list, settle=None) -> None:
+        self._refs, self._value, self._settle = refs, None, settle
 
     def value(self) -> float:
         if self._value is None:
+            if self._settle is not None:
+                self._settle(self)
             self._value = float(sum(ray.get(self._refs)))
         return self._value
 
@@ -212,7 +217,10 @@ class RayGroup:
         self._stale_shards: set[int] = set()  # shards rebuilt but not yet checked
         self.recoveries_left = config.cluster.max_recoveries
         self._inflight: collections.deque[PendingLoss] = collections.deque()
-        self._pending: list = []  # node-state updates of the last step, not yet sent
+        self._pending: list = []  # (seq, updates of every slice) of the last step, not sent
+        self._seq = 0  # numbers the node-state updates sent to trainers (applied once each)
+        self._window: collections.deque = collections.deque()  # steps not known done
+        self._next_step = 0  # the trainers' step count after the steps submitted
         cuda = config.device.startswith("cuda")
         # P shards, and with `cluster.shard_replicas` r > 1 r - 1 read-only replicas of each
         # (bundle P i + p: replica i of partition p), spread over nodes as Ray can
@@ -504,22 +512,94 @@ class RayGroup:
         self._resize_if_due()
         if self.sharded:
             return self._sharded_step(ev, weight, neg_BQ, num_observe)
-        losses, updates = [], []
-        before = self._take_pending()
-        bounds = self.balancer.bounds(ev, neg_BQ, self.num_trainers)
-        slices = train_slices(ev, weight, neg_BQ, num_observe, self.num_trainers, bounds)
-        for trainer, args in zip(self.trainers, slices, strict=True):
-            loss, upd = trainer.train_and_step.options(num_returns=2).remote(*_own(args), *before)
-            losses.append(loss)
-            updates.append(upd)
-        self._apply_state(updates)
-        pending = PendingLoss(losses)
-        if self.sharded:  # shards were waited for: the step is done
-            pending.value()
+        if not self._inflight:  # where the trainers stand (after any change of the group)
+            self._next_step = self._steps()
+        step = {"args": (ev, weight, neg_BQ, num_observe), "before": self._take_pending(),
+                "index": self._next_step}  # fmt: skip
+        self._next_step += 1
+        pending = PendingLoss([], self._settle)
+        step["pending"] = pending
+        self._submit(step)
         self._inflight.append(pending)
+        self._window.append(step)
         while len(self._inflight) > self.pipeline_depth:  # bounded lookahead
             self._inflight.popleft().value()
         return pending
+
+    def _submit(self, step: dict) -> None:
+        """Send one training step (replicated node state, a task per step) to every trainer:
+        its slices, and the node-state updates of the step before (`step["before"]`); its
+        own updates become pending, for the next call."""
+        ev, weight, neg_BQ, num_observe = step["args"]
+        cut = step.get("cut")
+        if cut is None or len(cut) != self.num_trainers:  # a new size after a recovery
+            bounds = self.balancer.bounds(ev, neg_BQ, self.num_trainers)
+            cut = step["cut"] = [_own(args) for args in train_slices(
+                ev, weight, neg_BQ, num_observe, self.num_trainers, bounds)]  # fmt: skip
+        # every trainer answers (the batch's loss, every slice's updates): rank 0's go on
+        step["outs"] = [t.train_and_step.options(num_returns=2).remote(*args, *step["before"])
+                        for t, args in zip(self.trainers, cut, strict=True)]  # fmt: skip
+        self._settled_with(step, *step["outs"][0], self._seq)
+        self._flush()
+        self._pending = list(step["after"])
+        self._seq += 1
+
+    def _settled_with(self, step: dict, loss, updates, seq: int) -> None:
+        """The step's loss and the updates the next step carries are these refs'."""
+        step["pending"]._refs = [loss]
+        step["after"] = [seq, ALL_SLICES, updates]  # the next step's `before`
+
+    def _settle(self, pending: PendingLoss) -> None:
+        """Wait for the steps submitted up to `pending`. When a trainer was lost, the group
+        recovers (survivors' most advanced replica copied forward, `recover`) and every step
+        in the window that the trainers do not hold is sent again, in order, each with the
+        updates of the step before: trainers apply a batch of updates once (numbered), so a
+        survivor that applied them already skips them. The steps' results are bitwise the
+        fault-free run's. A trainer lost after its group's all-reduce took its slice's
+        node-state updates with it: that step cannot be completed (`NoReplicaLeft`: the
+        orchestrator restarts from the newest checkpoint)."""
+        for _ in range(self.config.cluster.max_recoveries + 1):
+            upto = next((i for i, s in enumerate(self._window) if s["pending"] is pending), None)
+            if upto is None:
+                return
+            refs = [r for s in list(self._window)[: upto + 1] for o in s["outs"] for r in o]
+            try:
+                ray.get(refs)
+            except ray.exceptions.RayError as exc:
+                if not isinstance(exc, ray.exceptions.RayActorError) and not _group_failure(exc):
+                    raise
+                self._redo(exc)
+                continue
+            for _ in range(upto + 1):  # done: their updates went with the steps after
+                self._window.popleft()
+            return
+        raise RuntimeError("trainer recovery: the retry budget is spent")
+
+    def _redo(self, cause: Exception) -> None:
+        """Recover after `cause` and send again the steps of the window the group does not
+        hold (see `_settle`)."""
+        with contextlib.suppress(type(cause)):  # another call met the loss and recovered
+            self.recover(cause)
+        done = self._steps()
+        window = list(self._window)
+        for step in window:
+            if step["index"] < done:  # the group holds it: any member's answer is all of it
+                for loss, updates in step["outs"]:
+                    with contextlib.suppress(ray.exceptions.RayError):
+                        ray.get([loss, updates])
+                        self._settled_with(step, loss, updates, step["after"][0])
+                        step["outs"] = [(loss, updates)]  # the lost member's are not waited for
+                        break
+                else:
+                    raise NoReplicaLeft("no trainer that finished a step answered for it")
+                continue
+            previous = next((s for s in window if s["index"] == step["index"] - 1), None)
+            if previous is not None:  # the step before was sent again, too
+                step["before"] = previous["after"]
+            self._pending = []  # each step carries the updates before it
+            self._submit(step)
+        log.warning("step recovery: %d steps of the window sent again from step %d",
+                    sum(s["index"] >= done for s in window), done)  # fmt: skip
 
     def _sharded_step(self, ev, weight, neg_BQ, num_observe: int) -> PendingLoss:
         """A training step with node state on the shards (a task per step), recovered when
@@ -1200,8 +1280,10 @@ class RayGroup:
         alive = [w for w in range(len(self.trainers)) if w not in lost]
         reports = dict(zip(alive, ray.get([self.trainers[w].recovery_report.remote()
                                            for w in alive]), strict=True))  # fmt: skip
+        # where each stands: steps of the pass under way, or (a task per step) all its steps
+        key = "done" if self.runs_passes else "steps"
         plan = plan_trainer_recovery(len(self.trainers), lost,
-                                     {w: r["done"] for w, r in reports.items()})  # fmt: skip
+                                     {w: r[key] for w, r in reports.items()})  # fmt: skip
         source, done, behind = plan.source, plan.steps_done, list(plan.copy_to)
         state = self.trainers[source].replica_state.remote()
         results = ray.put(reports[source]["results"])
@@ -1472,6 +1554,7 @@ class RayGroup:
         self, ev: EventBatch, neg_BQ: torch.Tensor, observe: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
         self._resize_if_due()
+        self.drain()  # training steps sent before (and recovered, if need be)
         outs = []
         before = self._take_pending()
         bounds = self.balancer.bounds(ev, neg_BQ, self.num_trainers)
@@ -1518,7 +1601,8 @@ class RayGroup:
             ray.get([s.apply_state_of.remote(*updates) for s in self._all_copies()])
             return
         self._flush()
-        self._pending = list(updates)
+        self._pending = [self._seq, *updates]
+        self._seq += 1
 
     def _take_pending(self) -> list:
         pending, self._pending = self._pending, []
