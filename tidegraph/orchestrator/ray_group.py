@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import itertools
 import logging
 import re
 import time
@@ -236,6 +237,7 @@ class RayGroup:
         self.shard_spares: list[tuple] = []  # (placement group, bundle) with no host yet
         self.shard_joiners: dict[int, tuple] = {}  # id(slot's group): (slot, actor, answer)
         self.shard_resizes: list[dict] = []  # one record per change of the host count
+        self._hosts_named = itertools.count()  # shard actors started later get unique names
         self.trainer_bundle = {"CPU": c.trainer_cpus, **({"GPU": 1} if cuda else {})}
         # a placement group per trainer (a slot), up to the most trainers the run may have:
         # Ray claims a new node's resources for the pending ones as they appear
@@ -1007,8 +1009,7 @@ class RayGroup:
             if table.get("state") != "CREATED" or node is None or node in draining:
                 continue
             self.shard_spares.remove(slot)
-            serial = len(self.shard_resizes) + len(self.shard_moves) + len(self.shard_joiners)
-            actor = self._new_host([], slot, f"tidegraph-shard-host-{serial}-{id(slot) % 9973}")
+            actor = self._new_host([], slot, f"tidegraph-shard-host-{next(self._hosts_named)}")
             self.shard_joiners[(id(slot[0]), slot[1])] = (slot, actor, actor.parts.remote())
             log.info("starting a shard actor on node %s to take partitions over", node)
         up = []
@@ -1498,8 +1499,8 @@ class RayGroup:
             where = {}
             for key in gone:
                 actor, slot, parts = hosts[key]
-                serial = self.config.cluster.max_recoveries - self.recoveries_left
-                new = self._new_host([], slot, f"tidegraph-shard-{parts[0]}-{serial}")
+                name = f"tidegraph-shard-{parts[0]}-h{next(self._hosts_named)}"
+                new = self._new_host([], slot, name)
                 where.update(dict.fromkeys(parts, new))
                 for q in parts:
                     self.shards[q] = PartHandle(new, q)
