@@ -148,5 +148,5 @@ class RemoteShard:
     def fetch(self, eids, int8: bool = False):
         return self.handle.fetch.remote(eids, int8)
 
-    def read_state(self, ids, names=None):
-        return self.handle.read_state.remote(ids, names)
+    def read_state(self, ids, names=None, int8: bool = False):
+        return self.handle.read_state.remote(ids, names, int8)

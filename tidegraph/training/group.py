@@ -332,6 +332,6 @@ def build_trainer(
         precision = config.data.feature_precision
         features = ShardedFeatureStore(shards, edge_dim, precision, gather,
                                        rows_int8=config.comm.rows_int8)  # fmt: skip
-    source = ShardedStateSource(shards, owner, gather) if sharded else None
+    source = ShardedStateSource(shards, owner, gather, config.comm.rows_int8) if sharded else None
     init = stream(config.seed, "model")  # every replica draws the same initial parameters
     return TrainerCore(config, num_nodes, edge_dim, sampler, features, rank, init, source)

@@ -29,7 +29,7 @@ from tidegraph.sampling.sampler import TemporalSampler
 from tidegraph.storage.events import EventBatch
 from tidegraph.storage.features import EncodedRows, HostFeatureStore, decode, encode
 from tidegraph.storage.graph import DynamicGraph
-from tidegraph.training.state import ShardNodeState
+from tidegraph.training.state import ShardNodeState, encode_state_rows
 
 __all__ = ["ShardBatch", "ShardCore", "encode_features", "route_batch", "route_events"]
 
@@ -189,9 +189,14 @@ class ShardCore:
     def load_sampler_state(self, state: dict) -> None:
         self.sampler.load_state_dict(state)
 
-    def read_state(self, ids: torch.Tensor, names: tuple[str, ...] | None = None) -> dict:
-        """Node-state rows of `ids` (nodes this shard owns), table by table."""
-        return self.node_state.read(ids, names)
+    def read_state(
+        self, ids: torch.Tensor, names: tuple[str, ...] | None = None, int8: bool = False
+    ) -> dict:
+        """Node-state rows of `ids` (nodes this shard owns), table by table; with `int8`
+        (`comm.rows_int8`) every float32/16 table of rows (memory, mails) as int8 codes with
+        a scale per row (`encode_state_rows`; times are float64 and go as they are)."""
+        rows = self.node_state.read(ids, names)
+        return encode_state_rows(rows) if int8 else rows
 
     def apply_state(self, updates: list) -> None:
         """The part of one step's merged node-state updates that concerns this shard's nodes."""

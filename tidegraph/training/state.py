@@ -16,9 +16,17 @@ from __future__ import annotations
 
 import torch
 
+from tidegraph.comm.quantize import QuantizedRows, dequantize_rows, quantize_rows
 from tidegraph.sampling.multihop import ask_owners
 
-__all__ = ["DenseRowIndex", "ShardNodeState", "ShardedStateSource", "SortedRowIndex"]
+__all__ = [
+    "DenseRowIndex",
+    "ShardNodeState",
+    "ShardedStateSource",
+    "SortedRowIndex",
+    "decode_state_rows",
+    "encode_state_rows",
+]
 
 
 class SortedRowIndex:
@@ -151,21 +159,59 @@ def _check_tables(saved: dict, own: dict) -> None:
             )
 
 
+_INT8_TABLES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def encode_state_rows(rows: dict) -> dict:
+    """Node-state tables with every float32/16 table of rows ([N, ...], N > 0) as int8 codes
+    with one scale per row of its last dimension, rounded to nearest (a function of the rows
+    alone: any shard sends the same codes); other tables as they are."""
+    out = {}
+    for name, table in rows.items():
+        if table.dtype in _INT8_TABLES and table.dim() >= 2 and table.numel():
+            q = quantize_rows(table.reshape(-1, table.shape[-1]))
+            out[name] = (q.values, q.scales, tuple(table.shape), table.dtype)
+        else:
+            out[name] = table
+    return out
+
+
+def decode_state_rows(rows: dict) -> dict:
+    """`encode_state_rows` undone (the tables back in their shapes and dtypes)."""
+    out = {}
+    for name, table in rows.items():
+        if isinstance(table, tuple):
+            values, scales, shape, dtype = table
+            table = dequantize_rows(QuantizedRows(values, scales, dtype)).reshape(shape)
+        out[name] = table
+    return out
+
+
 class ShardedStateSource:
     """Reads node-state rows from the shards that own them (one request per shard)."""
 
-    def __init__(self, shards: list, owner, gather=None) -> None:
+    def __init__(self, shards: list, owner, gather=None, rows_int8: bool = False) -> None:
+        """`rows_int8` (`comm.rows_int8`): shards answer float tables of rows (memory, mails)
+        as int8 with a scale per row, a quarter of the bytes, decoded here."""
         self.shards = list(shards)
         self.owner = owner
         self.gather = gather or (lambda xs: xs)  # waits for remote shards' answers at once
+        self.rows_int8 = rows_int8
         self.requests = 0
 
+    def _ask(self, p: int, ids: torch.Tensor, names) -> object:
+        if self.rows_int8:
+            return self.shards[p].read_state(ids, names, True)
+        return self.shards[p].read_state(ids, names)
+
     def read(self, ids: torch.Tensor, names: tuple[str, ...] | None = None) -> dict:
+        decode = decode_state_rows if self.rows_int8 else (lambda rows: rows)
         if len(self.shards) == 1:
             self.requests += 1
-            return self.gather([self.shards[0].read_state(ids, names)])[0]
-        ask = lambda p, idx: self.shards[p].read_state(ids.index_select(0, idx), names)  # noqa: E731
+            return decode(self.gather([self._ask(0, ids, names)])[0])
+        ask = lambda p, idx: self._ask(p, ids.index_select(0, idx), names)  # noqa: E731
         answers = ask_owners(self.owner(ids), len(self.shards), ask, self.gather)
+        answers = [(idx, decode(part)) for idx, part in answers]
         self.requests += len(answers)
         out: dict[str, torch.Tensor] = {}
         for idx, part in answers:
