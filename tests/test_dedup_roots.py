@@ -164,17 +164,24 @@ def test_a_run_with_distinct_roots_matches_one_without_within_float_tolerance(mo
                 assert abs(a[key] - b[key]) < 2e-3, (key, a[key], b[key])
 
 
-def test_auto_probes_every_few_batches_and_decides_for_the_batches_between(hub):
+def test_auto_probes_while_off_and_turns_off_after_declines_in_a_row(hub):
     ev, _ = hub
     part, neg = _batch(ev)
     repeats = link_roots(part.src, part.dst, neg, part.t)  # hub batch: ~half distinct
     distinct = (torch.arange(600), torch.arange(600).double())
     auto = AutoRootDedup(ratio=0.9, every=3)
-    got = [auto(*roots) for roots in (repeats, distinct, distinct, distinct, repeats)]
-    assert got == [0.9, 0.9, 0.9, None, None]  # probes: the 1st and the 4th batch
+    # off: batches 1 and 4 are probes; the 4th repeats roots and turns it on
+    assert [auto(*r) for r in (distinct, repeats, repeats, repeats)] == [None, None, None, 0.9]
+    for deduplicated in (False, False, True, False, False):  # never 3 declines in a row
+        assert auto(*distinct) == 0.9
+        auto.seen(deduplicated)
     again = AutoRootDedup(ratio=0.9, every=3)
     again.load_state_dict(auto.state_dict())
-    assert [again(*repeats), again(*repeats)] == [auto(*repeats), auto(*repeats)] == [None, 0.9]
+    for a in (auto, again):
+        assert a(*distinct) == 0.9
+        a.seen(False)  # the third decline in a row: off, and the next batch is a probe
+        assert [a(*distinct), a(*repeats), a(*repeats)] == [None, None, None]
+        assert a(*repeats) == 0.9
 
 
 @pytest.mark.parametrize("model", ["tgn", "tgat"])

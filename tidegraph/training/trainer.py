@@ -129,10 +129,14 @@ class TrainerCore:
         t0 = time.perf_counter()
         roots, ts = link_roots(ev.src, ev.dst, neg_BQ, ev.t)
         options = sample_options(self.config.sampler, self.model, start)
+        auto = None
         if options["dedup_roots"] is not None and self.config.sampler.root_dedup == "auto":
-            kind = "train" if self.model.training else "eval"
-            options["dedup_roots"] = self.auto_dedup[kind](roots, ts)
+            auto = self.auto_dedup["train" if self.model.training else "eval"]
+            options["dedup_roots"] = auto(roots, ts)
         blocks = self.sampler.sample(roots, ts, **options)
+        if auto is not None and options["dedup_roots"] is not None:
+            first = blocks[0][0] if isinstance(blocks[0], list) else blocks[0]
+            auto.seen(first.root_index is not None)
         self._sampled_edges = sum(int(b.mask.sum()) for b in flat_blocks(blocks))
         blocks = _blocks_to(blocks, self.device)
         t1 = time.perf_counter()
