@@ -991,14 +991,24 @@ class RayGroup:
         the actors there are (default: those holding partitions)."""
         have = len(self._shard_hosts()) if have is None else have
         want = max(0, self.shard_target - have - len(self.shard_joiners))
-        while len(self.shard_spares) < want:
-            self.shard_spares.append((placement_group([{"CPU": self.config.cluster.shard_cpus}]),
-                                      0))  # fmt: skip
+        free = self._free_bundles() if getattr(self, "shards", None) else []
+        while len(self.shard_spares) < want:  # bundles of the SPREAD group no actor uses first
+            slot = (self.shard_pg, free.pop(0)) if free else \
+                (placement_group([{"CPU": self.config.cluster.shard_cpus}]), 0)  # fmt: skip
+            self.shard_spares.append(slot)
         while len(self.shard_spares) > want:
             pg, _ = self.shard_spares.pop()
             if pg is not self.shard_pg:  # a bundle of the SPREAD group stays reserved
                 with contextlib.suppress(Exception):
                     remove_placement_group(pg)
+
+    def _free_bundles(self) -> list[int]:
+        """Bundles of the shards' SPREAD group that hold no shard actor, replica, spare slot
+        or starting actor (an actor that left gave its bundle back to the run)."""
+        taken = [*self.shard_slots, *(x for slots in self.replica_slots for x in slots),
+                 *self.shard_spares, *(j[0] for j in self.shard_joiners.values())]  # fmt: skip
+        used = {b for pg, b in taken if pg is self.shard_pg}
+        return [b for b in range(self.min_shards * self.num_copies) if b not in used]
 
     def _shard_joiners_up(self, draining) -> list[tuple]:
         """Hosts started in spare shard slots that are up (to take partitions over at a
