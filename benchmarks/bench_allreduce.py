@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import os
 import statistics
@@ -84,19 +85,26 @@ def _label(name: str, extra: dict) -> str:
 # -- part 1 --------------------------------------------------------------------------------
 
 
-def codec_throughput(n: int, reps: int) -> list[dict]:
+def codec_throughput(n: int, reps: int, codecs: list[str]) -> list[dict]:
+    """quantize + dequantize of `n` values against a copy of the same tensor, timed right
+    before (pairs: the shared box's load moves both alike)."""
     rows = []
     x = torch.randn(n)
     g = torch.Generator().manual_seed(0)
     for threads in sorted({1, torch.get_num_threads()}):
         torch.set_num_threads(threads)
-        copy_s = _median_time(lambda: x.clone(), reps)
-        for bits in (8, 4, 2):
-            s = _median_time(lambda b=bits: dequantize(quantize(x, b, 256, g)), reps)
-            rows.append({
-                "threads": threads, "bits": bits, "codec_GBps": x.nbytes / s / 1e9,
-                "copy_GBps": x.nbytes / copy_s / 1e9, "ratio": copy_s / s,
-            })  # fmt: skip
+        for codec in codecs:
+            for bits in (8, 4, 2):
+                dequantize(quantize(x, bits, 256, g, codec), codec)  # compiles if compiled
+                copy_s = _median_time(lambda: x.clone(), reps)
+                s = _median_time(
+                    lambda b=bits, c=codec: dequantize(quantize(x, b, 256, g, c), c), reps
+                )
+                rows.append({
+                    "threads": threads, "codec": codec, "bits": bits,
+                    "codec_GBps": x.nbytes / s / 1e9, "copy_GBps": x.nbytes / copy_s / 1e9,
+                    "ratio": copy_s / s,
+                })  # fmt: skip
     return rows
 
 
@@ -146,10 +154,11 @@ def worker(args) -> None:
     try:
         for n in args.sizes:
             x = _input(n, rank)
-            for name, extra in COMPRESSIONS:
-                if name not in args.compressions:
+            for (name, extra), stages in itertools.product(COMPRESSIONS, args.stages):
+                if name not in args.compressions or (name in ("none", "topk") and stages > 1):
                     continue
-                cfg = CommConfig(compression=name, warmup_steps=0, **extra)
+                cfg = CommConfig(compression=name, warmup_steps=0, codec=args.codec,
+                                 pipeline_stages=stages, **extra)  # fmt: skip
                 red = QuantizedAllReduce(cfg, None, rank, world, seed=0)
                 stats = []
                 step = iter(range(10**6))
@@ -162,7 +171,7 @@ def worker(args) -> None:
                 seconds, wire = _timed(call, args.reps, args.iface)
                 s = stats[-1]
                 rows.append({
-                    "W": world, "n": n, "compression": _label(name, extra),
+                    "W": world, "n": n, "compression": _label(name, extra), "stages": stages,
                     "ms": seconds * 1e3, "bytes_sent": s.bytes_sent, "ratio": s.ratio,
                     "wire_bytes": wire, "bits": sorted(set(s.bits)),
                 })  # fmt: skip
@@ -178,10 +187,11 @@ def _bucket_rows(args, rank: int, world: int) -> list[dict]:
     """Per-bucket messages over MODEL_SIZES: fixed 4 MiB, 256 KiB, or the link cost model."""
     x = _input(sum(MODEL_SIZES), rank)
     alpha = _message_latency(rank, world, args)
+    base = {"compression": "q8", "warmup_steps": 0, "codec": args.codec}
     plans = {
-        "fixed 4 MiB": CommConfig(compression="q8", warmup_steps=0),
-        "fixed 256 KiB": CommConfig(compression="q8", warmup_steps=0, bucket_bytes=256 << 10),
-        "cost model": CommConfig(compression="q8", warmup_steps=0, bucketing="cost_model",
+        "fixed 4 MiB": CommConfig(**base),
+        "fixed 256 KiB": CommConfig(**base, bucket_bytes=256 << 10),
+        "cost model": CommConfig(**base, bucketing="cost_model",
                                  link_bandwidth_gbps=args.link_gbps, link_latency_s=alpha),
     }  # fmt: skip
     rows = []
@@ -210,7 +220,7 @@ def _bucket_rows(args, rank: int, world: int) -> list[dict]:
 def _message_latency(rank: int, world: int, args) -> float:
     """The cost model's alpha, measured: seconds of one quantized exchange of one chunk (two
     collectives and the codec's fixed work), the same on every rank (rank 0's, broadcast)."""
-    cfg = CommConfig(compression="q8", warmup_steps=0, min_bucket_bytes=0)
+    cfg = CommConfig(compression="q8", warmup_steps=0, min_bucket_bytes=0, codec=args.codec)
     red = QuantizedAllReduce(cfg, None, rank, world)
     flat = torch.randn(256)
     seconds, _ = _timed(lambda: red.allreduce_(flat, 0), max(args.reps, 5), None)
@@ -231,6 +241,7 @@ def _run_ranks(
     link_gbps: float,
     timeout_s: float,
     compressions: list[str],
+    extra: list[str],
 ) -> list[dict]:
     port = 29614 if netns else _free_port()
     master = ADDR[0] if netns else "127.0.0.1"
@@ -239,7 +250,7 @@ def _run_ranks(
         cmd = [sys.executable, __file__, "--worker", "--rank", str(rank), "--world", str(world),
                "--master", master, "--port", str(port), "--reps", str(reps),
                "--link-gbps", str(link_gbps), "--sizes", *map(str, sizes),
-               "--compressions", *compressions]  # fmt: skip
+               "--compressions", *compressions, *extra]  # fmt: skip
         if buckets:
             cmd.append("--buckets")
         if netns:
@@ -311,6 +322,17 @@ def main() -> None:
     ap.add_argument("--rates", nargs="*", default=["1gbit", "100mbit"])
     ap.add_argument("--no-netns", action="store_true")
     ap.add_argument("--no-codec", action="store_true")
+    ap.add_argument("--codec", default="compiled", help="the ranks' codec kernels (see CODECS)")
+    ap.add_argument("--codecs", nargs="+", default=["compiled", "eager"],
+                    help="codec kernels timed in part 1")  # fmt: skip
+    ap.add_argument(
+        "--stages",
+        type=int,
+        nargs="+",
+        default=[1, 8],
+        help="pipeline_stages of the quantized exchanges (each value is a row)",
+    )
+    ap.add_argument("--codec-size", type=int, default=8_000_000)
     # worker mode (started by this script)
     ap.add_argument("--worker", action="store_true")
     ap.add_argument("--rank", type=int, default=0)
@@ -326,13 +348,14 @@ def main() -> None:
         return
     payload: dict = {"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d")}
     if not args.no_codec:
-        payload["codec"] = codec_throughput(8_000_000, args.reps)
+        payload["codec"] = codec_throughput(args.codec_size, args.reps, args.codecs)
         print_table(payload["codec"])
+    extra = ["--codec", args.codec, "--stages", *map(str, args.stages)]
     payload["loopback"] = []
     for world in args.worlds:
         payload["loopback"] += _run_ranks(world, args.sizes, args.reps, False,
                                           world == 2 and not args.no_buckets, 10.0, 900,
-                                          args.compressions)  # fmt: skip
+                                          args.compressions, extra)  # fmt: skip
     print_table([r for r in payload["loopback"] if "buckets" not in r])
     print_table([r for r in payload["loopback"] if "buckets" in r])
     if not args.no_netns and args.rates:
@@ -346,7 +369,7 @@ def main() -> None:
                 sizes = args.sizes if gbps >= 1 else [min(args.sizes)]
                 rows = _run_ranks(2, sizes, 1 if gbps < 1 else args.reps, True,
                                   gbps >= 1 and not args.no_buckets, gbps, 1800,
-                                  args.compressions)  # fmt: skip
+                                  args.compressions, extra)  # fmt: skip
                 payload["netns"][rate] = rows
                 print(f"-- W = 2 over veth at {rate}")
                 print_table([r for r in rows if "buckets" not in r])

@@ -171,16 +171,21 @@ def _train_curve(rank, world):
 
 
 def _non_finite(rank, world):
-    """A nan in the last rank's gradient: every rank raises, no rank's buffer changes."""
+    """A nan (in the last, the first or the only stage of the exchange) or a value whose sum
+    could overflow, in the last rank's gradient: every rank raises, no rank's buffer changes."""
     out = {}
-    for name in ("q4", "topk"):
+    cases = {"q4": (12_345, float("nan"), 8), "q4 first": (10, float("nan"), 8),
+             "q4 one stage": (12_345, float("nan"), 1), "q4 huge": (9_000, 1e38, 8),
+             "topk": (12_345, float("nan"), 8)}  # fmt: skip
+    for name, (at, bad, stages) in cases.items():
         flat = _grad(rank)
         if rank == world - 1:
-            flat[12_345] = float("nan")
+            flat[at] = bad
         before = flat.clone()
         try:
-            _reduce(rank, world, _cfg(compression=name, min_bucket_bytes=1024,
-                                      bucket_bytes=40_000), flat, sizes=SIZES)  # fmt: skip
+            cfg = _cfg(compression=name.split()[0], min_bucket_bytes=1024, bucket_bytes=40_000,
+                       pipeline_stages=stages)  # fmt: skip
+            _reduce(rank, world, cfg, flat, sizes=SIZES)
             out[name] = None
         except ValueError as e:
             same = (flat == before) | (flat.isnan() & before.isnan())
@@ -370,7 +375,7 @@ def test_topk_sends_each_ranks_largest_values_and_feedback_sends_the_rest_later(
 def test_a_nan_on_one_rank_raises_on_every_rank_and_changes_no_buffer(group):
     world, res = group
     for r in range(world):
-        for name in ("q4", "topk"):
+        for name in ("q4", "q4 first", "q4 one stage", "q4 huge", "topk"):
             message, unchanged = res[r]["nonfinite"][name]
             assert f"rank {world - 1}'s gradient holds inf or nan" in message
             assert unchanged

@@ -258,10 +258,25 @@ def test_random_levels_are_uniform_and_neighbours_uncorrelated():
     for lag in (1, 2, 256):
         assert abs(float((c[:-lag] * c[lag:]).mean() / c.pow(2).mean())) < 0.01
     # a key shifted by d is the same stream shifted by d values (blocks rely on it)
-    shifted = kernels._uniform16(1, 100, kernels._shifted(key, 1000), "cpu").reshape(-1)
+    shifted = kernels._uniform16(1, 100, kernels.shifted_key(key, 1000), "cpu").reshape(-1)
     assert torch.equal(shifted, u[1000:1100])
 
 
 def test_codec_names_are_checked():
     with pytest.raises(ValueError, match="codec must be one of"):
         quantize(torch.ones(8), 8, 4, codec="fast")
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_quantize_flat_pads_like_quantize_chunks_without_copying_whole_chunks(bits):
+    from tidegraph.comm.quantize import _pad_to, dequantize_into, quantize_chunks, quantize_flat
+
+    x = torch.randn(1000, generator=_gen(20))  # 15 whole chunks of 64 and 40 values
+    padded = _pad_to(x, 17 * 64).reshape(17, 64)  # two more chunks than needed
+    flat = quantize_flat(x, 17, 64, bits, _gen(21))
+    for a, b in zip(flat, quantize_chunks(padded, bits, _gen(21)), strict=True):
+        assert torch.equal(a, b)
+    out = torch.full((1000,), float("nan"))
+    dequantize_into(out, *flat, bits)
+    step = _steps(x, 64, bits)
+    assert ((out - x).abs() <= step * (1 + 1e-5) + 1e-6).all()

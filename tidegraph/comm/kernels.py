@@ -30,10 +30,19 @@ from __future__ import annotations
 import logging
 import shutil
 import threading
+import types
 
 import torch
 
-__all__ = ["CODECS", "decode_rows", "encode_rows", "pack_rows", "unpack_rows"]
+__all__ = [
+    "CODECS",
+    "decode_rows",
+    "encode_rows",
+    "pack_rows",
+    "shifted_key",
+    "sum_encode_rows",
+    "unpack_rows",
+]
 
 log = logging.getLogger(__name__)
 
@@ -85,12 +94,30 @@ def _encode(chunks: torch.Tensor, key: torch.Tensor, bits: int):
     return pack_rows(codes, bits), mins, scales
 
 
-def _decode(packed: torch.Tensor, mins: torch.Tensor, scales: torch.Tensor, bits: int):
+def _decoded(packed, mins, scales, bits: int) -> torch.Tensor:
     codes = unpack_rows(packed, bits).to(torch.float32)
     return codes * scales[:, None] + mins[:, None]
 
 
-_KERNELS = {"encode": _encode, "decode": _decode}
+def _decode(packed, mins, scales, out: torch.Tensor, bits: int) -> None:
+    # compiled only (it writes `out` in place); eager `decode_rows` rounds alike, per block
+    out.copy_(_decoded(packed, mins, scales, bits))
+
+
+def _sum_encode(packed, mins, scales, key, world: int, average: bool, bits: int):
+    """`_encode` of the sum over `world` row groups of decoded rows, in group order (and
+    divided by `world` with `average`): the owner's step, no fp32 buffer in between."""
+    values = _decoded(packed, mins, scales, bits)
+    values = values.view(world, values.shape[0] // world, values.shape[1])
+    total = values[0]
+    for w in range(1, world):
+        total = total + values[w]
+    if average:
+        total = total / world
+    return _encode(total, key, bits)
+
+
+_KERNELS = {"encode": _encode, "decode": _decode, "sum_encode": _sum_encode}
 _MIN_ROWS = 2  # dynamo specialises sizes 0 and 1: fewer rows run eagerly, never recompile
 
 
@@ -115,7 +142,7 @@ class _Compiled:
         with cls.lock:
             fn = cls.ready.get((name, bits))
             if fn is None and not cls.failed:
-                fn = torch.compile(_KERNELS[name], dynamic=True, options=_OPTIONS)
+                fn = torch.compile(_own_code(_KERNELS[name], bits), dynamic=True, options=_OPTIONS)
                 try:
                     fn(*_sample(name, bits))
                 except Exception as e:  # noqa: BLE001 - any compiler failure: eager is exact
@@ -152,13 +179,22 @@ class _Compiled:
 _OPTIONS = {"cpp.enable_floating_point_contract_flag": "off", "compile_threads": 1}
 
 
+def _own_code(fn, bits: int):
+    """`fn` with a code object of its own: dynamo keeps at most 8 compiled variants per code
+    object (then runs it eagerly), and bit widths times worlds would reach that."""
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{bits}")
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__)
+
+
 def _sample(name: str, bits: int) -> tuple:
     chunks = torch.linspace(-1, 1, 4 * 64).reshape(4, 64)
     key = torch.tensor([1, 2], dtype=torch.int64)
     if name == "encode":
         return chunks, key, bits
     packed, mins, scales = _encode(chunks, key, bits)
-    return packed, mins, scales, bits
+    if name == "sum_encode":  # the world and average of the first call specialise anyway
+        return packed, mins, scales, key, 2, True, bits
+    return packed, mins, scales, torch.empty_like(chunks), bits
 
 
 def _kernel(name: str, codec: str, bits: int, device: torch.device, rows: int):
@@ -193,7 +229,7 @@ def _blocks(n_rows: int, cols: int, block: int, least: int):
         lo = hi
 
 
-def _shifted(key: torch.Tensor, offset: int) -> torch.Tensor:
+def shifted_key(key: torch.Tensor, offset: int) -> torch.Tensor:
     """`key` for values numbered from `offset`: the hash sees index + k1 mod 2^32 alike."""
     if offset == 0:
         return key
@@ -218,6 +254,13 @@ def _run(name: str, codec: str, device, bits: int, args_for_block, n_rows: int, 
             _blocks(n_rows, cols, _EAGER_BLOCK, 1)]  # fmt: skip
 
 
+def _joined(parts: list[tuple]) -> tuple:
+    """Blocks' (packed, mins, scales) as one."""
+    if len(parts) == 1:
+        return parts[0]
+    return tuple(torch.cat(p) for p in zip(*parts, strict=True))
+
+
 def encode_rows(chunks: torch.Tensor, key: torch.Tensor, bits: int, codec: str = "auto"):
     """(packed uint8 [C, S * bits / 8], mins [C], scales [C]) of fp32 `chunks` [C, S]:
     stochastic `bits`-bit codes, random bits from `key` (int64 [2], each below 2^32).
@@ -228,25 +271,65 @@ def encode_rows(chunks: torch.Tensor, key: torch.Tensor, bits: int, codec: str =
         return torch.empty(0, S * bits // 8, dtype=torch.uint8, device=chunks.device), empty, empty
 
     def block(lo: int, hi: int) -> tuple:
-        return chunks[lo:hi].contiguous(), _shifted(key, lo * S)
+        return chunks[lo:hi].contiguous(), shifted_key(key, lo * S)
 
-    parts = _run("encode", codec, chunks.device, bits, block, C, S)
-    if len(parts) == 1:
-        return parts[0]
-    return tuple(torch.cat(p) for p in zip(*parts, strict=True))
+    return _joined(_run("encode", codec, chunks.device, bits, block, C, S))
+
+
+def sum_encode_rows(
+    packed: torch.Tensor,
+    mins: torch.Tensor,
+    scales: torch.Tensor,
+    key: torch.Tensor,
+    world: int,
+    average: bool,
+    bits: int,
+    codec: str = "auto",
+):
+    """`encode_rows` of the sum of `world` groups of C decoded rows (`packed` [world * C,
+    S * bits / 8], group after group; mins, scales [world * C]), summed in group order and
+    divided by `world` with `average`: bit for bit `encode_rows(decode_rows(...) summed)`."""
+    C = packed.shape[0] // world
+    S = packed.shape[1] * 8 // bits
+    if C == 0:
+        return encode_rows(torch.empty(0, S, device=packed.device), key, bits, codec)
+    p3 = packed.view(world, C, -1)
+    m2, s2 = mins.view(world, C), scales.view(world, C)
+
+    def block(lo: int, hi: int) -> tuple:
+        rows = p3[:, lo:hi].reshape(world * (hi - lo), -1)
+        m, s = m2[:, lo:hi].reshape(-1), s2[:, lo:hi].reshape(-1)
+        return rows, m, s, shifted_key(key, lo * S), world, average
+
+    return _joined(_run("sum_encode", codec, packed.device, bits, block, C, S))
 
 
 def decode_rows(
-    packed: torch.Tensor, mins: torch.Tensor, scales: torch.Tensor, bits: int, codec: str = "auto"
+    packed: torch.Tensor,
+    mins: torch.Tensor,
+    scales: torch.Tensor,
+    bits: int,
+    codec: str = "auto",
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """fp32 [C, S] of `encode_rows`'s packed [C, S * bits / 8], mins and scales."""
+    """fp32 [C, S] of `encode_rows`'s packed [C, S * bits / 8], mins and scales (written
+    into `out`, a contiguous fp32 [C, S], if given)."""
     C = packed.shape[0]
     S = packed.shape[1] * 8 // bits
-    if C == 0:
-        return torch.empty(0, S, dtype=torch.float32, device=packed.device)
-
-    def block(lo: int, hi: int) -> tuple:
-        return packed[lo:hi].contiguous(), mins[lo:hi].contiguous(), scales[lo:hi].contiguous()
-
-    parts = _run("decode", codec, packed.device, bits, block, C, S)
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+    if out is None:
+        out = torch.empty(C, S, dtype=torch.float32, device=packed.device)
+    fn = _kernel("decode", codec, bits, packed.device, C)
+    if fn is not None:  # one call: a stream, nothing to keep in cache between passes
+        try:
+            with _Compiled.lock:
+                fn(packed.contiguous(), mins.contiguous(), scales.contiguous(), out, bits)
+            return out
+        except Exception as e:  # noqa: BLE001 - any compiler failure: eager is exact
+            if codec == "compiled":
+                raise
+            _Compiled.fail(e)
+    for lo, hi in _blocks(C, S, _EAGER_BLOCK, 1):  # `_decode`'s rounding, in place per block
+        block = out[lo:hi]
+        block.copy_(unpack_rows(packed[lo:hi], bits))
+        block.mul_(scales[lo:hi, None]).add_(mins[lo:hi, None])
+    return out

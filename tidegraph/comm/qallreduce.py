@@ -69,7 +69,10 @@ from tidegraph.comm.quantize import (
     ErrorFeedback,
     _pad_to,
     dequantize_chunks,
+    dequantize_into,
     quantize_chunks,
+    quantize_flat,
+    requantize_sum,
     topk_densify,
     topk_sparsify,
 )
@@ -265,23 +268,42 @@ def _row_bytes(seg: int, chunk_size: int, bits: int) -> int:
     return seg * bits // 8 + 8 * (seg // chunk_size)
 
 
-def _encode_into(dst: torch.Tensor, chunks: torch.Tensor, bits: int, gen, codec: str) -> None:
-    """Write into uint8 `dst` [rows, row_bytes] the codes of `chunks` (each row a run of whole
-    chunks' codes, then their (min, scale) pairs)."""
-    packed, mins, scales = quantize_chunks(chunks, bits, gen, codec)
+def _frame(dst: torch.Tensor, codes: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+    """Write into uint8 `dst` [rows, row_bytes] the (packed, mins, scales) of whole chunks:
+    each row a run of chunks' codes, then their (min, scale) pairs."""
+    packed, mins, scales = codes
     rows = dst.shape[0]
     code_bytes = packed.numel() // rows
     dst[:, :code_bytes] = packed.reshape(rows, code_bytes)
     dst[:, code_bytes:] = torch.stack([mins, scales], dim=1).view(torch.uint8).reshape(rows, -1)
 
 
-def _decode(block: torch.Tensor, seg: int, chunk_size: int, bits: int, codec: str) -> torch.Tensor:
-    """fp32 [rows, seg] of `_encode_into`'s rows (a column slice of a received buffer)."""
+def _unframe(block: torch.Tensor, seg: int, chunk_size: int, bits: int):
+    """(packed [chunks, bytes], mins, scales) of `_frame`'s rows of `seg` values each (a
+    column slice of a received buffer)."""
     rows, cps = block.shape[0], seg // chunk_size
     code_bytes = seg * bits // 8
-    meta = block[:, code_bytes:].contiguous().view(torch.float32).reshape(rows * cps, 2)
+    # a copy at offset 0: fp32 views need an aligned start, which a column slice lacks
+    meta = block[:, code_bytes:].reshape(-1).clone().view(torch.float32).reshape(rows * cps, 2)
     packed = block[:, :code_bytes].reshape(rows * cps, chunk_size * bits // 8)
-    return dequantize_chunks(packed, meta[:, 0], meta[:, 1], bits, codec).reshape(rows, seg)
+    return packed, meta[:, 0], meta[:, 1]
+
+
+def _decode(block: torch.Tensor, seg: int, chunk_size: int, bits: int, codec: str) -> torch.Tensor:
+    """fp32 [rows, seg] of `_frame`'s rows."""
+    codes = _unframe(block, seg, chunk_size, bits)
+    return dequantize_chunks(*codes, bits, codec).reshape(block.shape[0], seg)
+
+
+def _check_summable(codes, bits: int, world: int) -> None:
+    """Raise ValueError if a value could make the owners' sum of `world` decoded values
+    leave fp32's range (magnitudes up to max / (4 world) cannot)."""
+    _, mins, scales = codes
+    limit = torch.finfo(torch.float32).max / (4 * world)
+    tops = mins + scales * ((1 << bits) - 1)
+    if mins.numel() and not bool((mins.abs().amax() < limit) & (tops.abs().amax() < limit)):
+        raise ValueError(f"quantize: a magnitude above {limit:.3g}, whose sum over {world} "
+                         "ranks could overflow fp32; scale the input down first")  # fmt: skip
 
 
 class _Pending:
@@ -289,6 +311,9 @@ class _Pending:
 
     def __init__(self, work, result: torch.Tensor) -> None:
         self.work, self.result = work, result
+
+    def done(self) -> bool:
+        return self.work is None or self.work.is_completed()
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:
@@ -322,12 +347,16 @@ class _Exchange:
     def send_stage(self, stage: _Stage) -> None:
         """Encode this rank's values of `stage` (or zeros and its flag) and start sending."""
         W, S = self.red.world, self.cfg.chunk_size
-        send = torch.empty(W, stage.width + 1, dtype=torch.uint8, device=self.device)
+        k = len(self.sent)
+        send = self.red._scratch(f"send{k}", (W, stage.width + 1), self.device)
         if not self.worker_flag:
             try:
                 for b, o, w in stage.columns:
-                    x = _pad_to(self.comp[b.at : b.at + b.n], W * b.seg).reshape(-1, S)
-                    _encode_into(send[:, o : o + w], x, b.bits, self.worker_gen, self.cfg.codec)
+                    x = self.comp[b.at : b.at + b.n]  # padded to W segments of whole chunks
+                    codes = quantize_flat(x, W * b.seg // S, S, b.bits, self.worker_gen,
+                                          self.cfg.codec)  # fmt: skip
+                    _check_summable(codes, b.bits, W)
+                    _frame(send[:, o : o + w], codes)
             except ValueError as e:  # non-finite values: every rank will raise, none hangs
                 log.error("comm: %s", e)
                 self.worker_flag = _rank_flag(self.red.rank)
@@ -335,7 +364,8 @@ class _Exchange:
             send.zero_()
         send[:, -1] = self.worker_flag
         self.sent.append(send)
-        self.received.append(self.red._start_all_to_all(torch.empty_like(send), send))
+        recv = self.red._scratch(f"recv{k}", tuple(send.shape), self.device)
+        self.received.append(self.red._start_all_to_all(recv, send))
 
     def owner_stage(self, stage: _Stage, k: int) -> None:
         """Wait for stage `k`'s rows from every rank, sum them in rank order and encode."""
@@ -343,37 +373,42 @@ class _Exchange:
         self.owner_flag = max(self.owner_flag, int(recv[:, -1].max()))
         piece = None
         if not self.owner_flag:
-            piece = torch.empty(1, stage.width + 1, dtype=torch.uint8, device=self.device)
+            piece = self.red._scratch(f"piece{k}", (1, stage.width + 1), self.device)
             try:
                 for b, o, w in stage.columns:
-                    total = self._sum(recv[:, o : o + w], b)
-                    _encode_into(piece[:, o : o + w], total.reshape(-1, self.cfg.chunk_size),
-                                 b.bits, self.owner_gen, self.cfg.codec)  # fmt: skip
+                    _frame(piece[:, o : o + w], self._requantized(recv[:, o : o + w], b))
             except ValueError as e:  # a sum beyond fp32's range
                 log.error("comm: %s", e)
                 self.owner_flag = _OWNER_FLAG
         self.pieces.append(piece)
 
-    def _sum(self, block: torch.Tensor, b: _Bucket) -> torch.Tensor:
-        values = _decode(block, b.seg, self.cfg.chunk_size, b.bits, self.cfg.codec)
+    def _requantized(self, block: torch.Tensor, b: _Bucket):
+        """The codes of bucket `b`'s owned segment: the W rows of `block` decoded, summed in
+        rank order (divided by W for a mean), quantized again; in one pass over the codes
+        unless error feedback needs the sum (plus the owner's residual) itself."""
+        S, codec, W = self.cfg.chunk_size, self.cfg.codec, self.red.world
+        codes = _unframe(block, b.seg, S, b.bits)
+        if not self.cfg.error_feedback:
+            return requantize_sum(*codes, W, self.average, b.bits, self.owner_gen, codec)
+        values = dequantize_chunks(*codes, b.bits, codec).reshape(W, b.seg)
         total = values[0].clone()
-        for row in values[1:]:  # rank order, the same on every path
+        for row in values[1:]:  # rank order, as `requantize_sum` adds
             total += row
         if self.average:
-            total.div_(self.red.world)
-        if self.cfg.error_feedback:
-            if self.residual is not None:
-                total += self.residual[self.owned_at : self.owned_at + b.seg]
-            self.owned_at += b.seg
-            self.owned.append(total)
-        return total
+            total = total / W
+        if self.residual is not None:
+            total += self.residual[self.owned_at : self.owned_at + b.seg]
+        self.owned_at += b.seg
+        self.owned.append(total)
+        return quantize_chunks(total.reshape(-1, S), b.bits, self.owner_gen, codec)
 
     def owner_piece(self, k: int) -> torch.Tensor:
-        """Stage `k`'s message to everyone: this owner's codes and its worst flag over all
-        stages (zeros with the flag if any stage failed anywhere)."""
+        """Stage `k`'s message to everyone: this owner's codes and its worst flag so far
+        (zeros with the flag once a stage failed anywhere)."""
         piece = self.pieces[k]
         if self.owner_flag:
-            piece = torch.zeros(1, self.stages[k].width + 1, dtype=torch.uint8, device=self.device)
+            piece = self.red._scratch(f"piece{k}", (1, self.stages[k].width + 1), self.device)
+            piece.zero_()
         piece[:, -1] = self.owner_flag
         return piece.reshape(-1)
 
@@ -406,6 +441,7 @@ class QuantizedAllReduce:
         self._decided_at: int | None = None
         self._worker_fb = ErrorFeedback()
         self._owner_fb = ErrorFeedback()
+        self._buffers: dict[str, torch.Tensor] = {}
 
     @property
     def buckets(self) -> list[tuple[int, int]]:
@@ -482,6 +518,14 @@ class QuantizedAllReduce:
             return self.ops.broadcast0(x)
         dist.broadcast(x, src=_global_rank(self.group, 0), group=self.group)
 
+    def _scratch(self, name: str, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        """uint8 buffer `name` of `shape`, kept from the last call when it fits: a fresh one
+        of a hundred MB costs more in page faults (each call) than its codes take to encode."""
+        buf = self._buffers.get(name)
+        if buf is None or tuple(buf.shape) != shape or buf.device != device:
+            buf = self._buffers[name] = torch.empty(shape, dtype=torch.uint8, device=device)
+        return buf
+
     def _start_all_to_all(self, recv: torch.Tensor, send: torch.Tensor) -> _Pending:
         """Row r of `send` to rank r, rank r's row into row r of `recv`, under way."""
         if self.ops is not None:
@@ -490,10 +534,14 @@ class QuantizedAllReduce:
         work = dist.all_to_all_single(recv, send, group=self.group, async_op=True)
         return _Pending(work, recv)
 
-    def _start_gather(self, piece: torch.Tensor) -> _Pending:
-        """[W, bytes]: every rank's `piece` in rank order, under way (gloo wants a flat
-        output)."""
-        out = torch.empty(self.world * piece.numel(), dtype=piece.dtype, device=piece.device)
+    def _start_gather(self, piece: torch.Tensor, scratch: str | None = None) -> _Pending:
+        """[W, bytes]: every rank's uint8 `piece` in rank order, under way (gloo wants a flat
+        output), into scratch buffer `scratch` if named."""
+        n = self.world * piece.numel()
+        if scratch is None:
+            out = torch.empty(n, dtype=piece.dtype, device=piece.device)
+        else:
+            out = self._scratch(scratch, (n,), piece.device)
         if self.ops is not None:
             self.ops.all_gather(out, piece)
             return _Pending(None, out.reshape(self.world, -1))
@@ -554,10 +602,13 @@ class QuantizedAllReduce:
 
     def _quantized(self, flat, ranges, bits: list[int], average: bool, step: int) -> int:
         """Two-way quantized exchange of the compressed buckets, pipelined in stages of whole
-        buckets (see `_stages`): a stage's all-to-all travels while the next stage is encoded
-        and the previous one summed; the all-gathers travel while earlier stages are decoded.
-        Codes come from per-bucket draws of two streams (worker, owner) taken in bucket
-        order, so the result does not depend on the number of stages."""
+        buckets (see `_stages`): a stage's all-to-all and the previous stage's all-gather
+        travel while the next stage is encoded and summed. A failure in any stage must leave
+        `flat` unchanged on every rank, so decoding into it starts once every rank says it
+        encoded all its values (a one-value all-reduce after the last stage; `_clear`);
+        gathered stages are then decoded as they arrive. Codes come from per-bucket draws of two
+        streams (worker, owner) taken in bucket order, so the result does not depend on the
+        number of stages."""
         cfg, W, S = self.config, self.world, self.config.chunk_size
         comp = self._compensated(flat, ranges)
         buckets, at = [], 0
@@ -566,25 +617,27 @@ class QuantizedAllReduce:
             at += hi - lo
         stages = _stages(buckets, S, cfg.pipeline_stages)
         ex = _Exchange(self, comp, stages, average, step)
-        # worker -> owner: encode stage i and start sending it, then sum stage i - 1
+        # encode stage i and start sending it to its owners, then sum stage i - 1 as owner
+        # and start sending that to everyone: both directions of the link carry both kinds
+        gathers: list[_Pending] = []
+        flags = None  # every rank's worker flag, exchanged once all are encoded
+        done = 0  # stages decoded into `flat`
+        decoded_own: list[torch.Tensor] = []
         for i, stage in enumerate(stages):
             ex.send_stage(stage)
+            if i == len(stages) - 1 and i:
+                flags = self._start_flags(ex.worker_flag, comp.device)
             if i:
-                ex.owner_stage(stages[i - 1], i - 1)
-        ex.owner_stage(stages[-1], len(stages) - 1)
-        # owner -> everyone: every piece carries the owner's worst flag over all stages, so
-        # the first gathered stage tells every rank whether to raise before `flat` changes
-        gathers = [self._start_gather(ex.owner_piece(k)) for k in range(len(stages))]
-        decoded_own = []
-        for k, (stage, gathering) in enumerate(zip(stages, gathers, strict=True)):
-            gathered = gathering.wait()
-            if k == 0:
-                _raise_flagged(gathered[:, -1], step)
-            for b, o, w in stage.columns:
-                values = _decode(gathered[:, o : o + w], b.seg, S, b.bits, cfg.codec)
-                if cfg.error_feedback:
-                    decoded_own.append(values[self.rank].clone())
-                flat[b.lo : b.hi].copy_(values.reshape(-1)[: b.n])
+                gathers.append(self._owner_step(ex, stages, i - 1))
+            while _clear(flags, block=False) and done < len(gathers) and gathers[done].done():
+                self._decode_stage(flat, stages[done], gathers[done].wait(), step, decoded_own)
+                done += 1
+        gathers.append(self._owner_step(ex, stages, len(stages) - 1))
+        if not _clear(flags, block=True):  # a failure anywhere flags every later piece of
+            # its owner, the last ones included: every rank raises alike, `flat` unchanged
+            _raise_flagged(torch.stack([g.wait()[:, -1] for g in gathers]), step)
+        for k in range(done, len(stages)):
+            self._decode_stage(flat, stages[k], gathers[k].wait(), step, decoded_own)
         if cfg.error_feedback:  # what each of the two encodings dropped
             mine = [_decode(send[:, o : o + w], b.seg, S, b.bits, cfg.codec).reshape(-1)[: b.n]
                     for stage, send in zip(stages, ex.sent, strict=True)
@@ -592,6 +645,31 @@ class QuantizedAllReduce:
             self._worker_fb.update(comp, torch.cat(mine))
             self._owner_fb.update(torch.cat(ex.owned), torch.cat(decoded_own))
         return 2 * (W - 1) * sum(stage.width + 1 for stage in stages)
+
+    def _start_flags(self, flag: int, device: torch.device) -> _Pending:
+        """Every rank's worker flag (one value per rank; all zero: no rank failed), under way."""
+        flags = torch.zeros(self.world, dtype=torch.float32, device=device)
+        flags[self.rank] = flag
+        if self.ops is not None:
+            self.ops.all_reduce(flags)
+            return _Pending(None, flags)
+        return _Pending(dist.all_reduce(flags, group=self.group, async_op=True), flags)
+
+    def _decode_stage(self, flat, stage: _Stage, rows: torch.Tensor, step: int, own: list):
+        """Decode a gathered stage's rows into `flat` (this rank's own segments into `own`
+        too, with error feedback)."""
+        cfg, S = self.config, self.config.chunk_size
+        _raise_flagged(rows[:, -1], step)
+        for b, o, w in stage.columns:
+            codes = _unframe(rows[:, o : o + w], b.seg, S, b.bits)
+            dequantize_into(flat[b.lo : b.hi], *codes, b.bits, cfg.codec)
+            if cfg.error_feedback:  # this rank's own segment, as everyone decoded it
+                mine = rows[self.rank : self.rank + 1, o : o + w]
+                own.append(_decode(mine, b.seg, S, b.bits, cfg.codec).reshape(-1))
+
+    def _owner_step(self, ex: _Exchange, stages: list[_Stage], k: int) -> _Pending:
+        ex.owner_stage(stages[k], k)
+        return self._start_gather(ex.owner_piece(k), f"gather{k}")
 
     def _topk(self, flat, ranges, average: bool, step: int) -> int:
         W, ratio = self.world, self.config.topk_ratio
@@ -669,6 +747,15 @@ def _guarded(encode, shape: tuple[int, int], flag: int, device, failed: bool = F
     return torch.cat([out, column], dim=1), code
 
 
+def _clear(flags: _Pending | None, block: bool) -> bool:
+    """Whether every rank is known to have encoded all its values (then no stage can fail:
+    workers refuse magnitudes whose sum could overflow, so owners cannot), which allows
+    decoding stages into the buffer before the last one arrived."""
+    if flags is None or not (block or flags.done()):
+        return False
+    return not bool(flags.wait().any())
+
+
 def _raise_flagged(flags: torch.Tensor, step: int) -> None:
     worst = int(flags.max())
     if worst == _OWNER_FLAG:
@@ -679,7 +766,8 @@ def _raise_flagged(flags: torch.Tensor, step: int) -> None:
     if worst:
         raise ValueError(
             f"compressed all-reduce, step {step}: rank {worst - 1}'s gradient holds inf or nan "
-            "and cannot be encoded; the buffer is unchanged on every rank"
+            "(or a magnitude whose sum over the ranks could overflow fp32) and cannot be "
+            "encoded; the buffer is unchanged on every rank"
         )
 
 

@@ -39,7 +39,14 @@ from dataclasses import dataclass
 
 import torch
 
-from tidegraph.comm.kernels import decode_rows, encode_rows, pack_rows, unpack_rows
+from tidegraph.comm.kernels import (
+    decode_rows,
+    encode_rows,
+    pack_rows,
+    shifted_key,
+    sum_encode_rows,
+    unpack_rows,
+)
 
 __all__ = [
     "BITS",
@@ -48,11 +55,14 @@ __all__ = [
     "QuantizedRows",
     "dequantize",
     "dequantize_chunks",
+    "dequantize_into",
     "dequantize_rows",
     "pack_bits",
     "quantize",
     "quantize_chunks",
+    "quantize_flat",
     "quantize_rows",
+    "requantize_sum",
     "topk_densify",
     "topk_sparsify",
     "unpack_bits",
@@ -163,6 +173,80 @@ def quantize_chunks(
     return packed, mins, scales
 
 
+def quantize_flat(
+    x: torch.Tensor,
+    n_chunks: int,
+    chunk_size: int,
+    bits: int,
+    generator: torch.Generator | None = None,
+    codec: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`quantize_chunks` of 1-D fp32 `x` padded to `n_chunks` chunks (`_pad_to`), the same
+    codes, without copying the whole chunks: only the last, padded ones are."""
+    _check_bits(bits)
+    S = chunk_size
+    key = _key(generator, x.device)
+    full = min(x.numel() // S, n_chunks)
+    parts = []
+    if full:
+        parts.append(encode_rows(x[: full * S].view(full, S), key, bits, codec))
+    if full < n_chunks or not parts:  # (no chunks at all: empty codes)
+        tail = _pad_to(x[full * S :], (n_chunks - full) * S).view(-1, S)
+        parts.append(encode_rows(tail, shifted_key(key, full * S), bits, codec))
+    if len(parts) == 1:
+        packed, mins, scales = parts[0]
+    else:
+        packed, mins, scales = (torch.cat(p) for p in zip(*parts, strict=True))
+    if not bool(torch.isfinite(scales).all()):
+        chunks = _pad_to(x, n_chunks * S).view(n_chunks, S)
+        _raise_nonfinite(chunks, chunks.amin(dim=1), chunks.amax(dim=1))
+    return packed, mins, scales
+
+
+def requantize_sum(
+    packed: torch.Tensor,
+    mins: torch.Tensor,
+    scales: torch.Tensor,
+    world: int,
+    average: bool,
+    bits: int,
+    generator: torch.Generator | None = None,
+    codec: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`quantize_chunks` of the sum (mean with `average`) of `world` contributions of C
+    chunks each (`packed` [world * C, bytes], contribution after contribution), decoded and
+    summed in that order; the same codes as decoding, summing and quantizing apart."""
+    packed, mins, scales = sum_encode_rows(packed, mins, scales, _key(generator, packed.device),
+                                           world, average, bits, codec)  # fmt: skip
+    if not bool(torch.isfinite(scales).all()):
+        raise ValueError(
+            "quantize: a chunk's range (max - min) overflows fp32; scale the input down first"
+        )
+    return packed, mins, scales
+
+
+def dequantize_into(
+    out: torch.Tensor,
+    packed: torch.Tensor,
+    mins: torch.Tensor,
+    scales: torch.Tensor,
+    bits: int,
+    codec: str = "auto",
+) -> None:
+    """Write into 1-D fp32 `out` the first `out.numel()` values `dequantize_chunks` gives
+    (whole chunks decoded in place, a last partial one through a small buffer)."""
+    S = packed.shape[1] * 8 // bits
+    n = out.numel()
+    full = n // S
+    if full:
+        decode_rows(packed[:full], mins[:full], scales[:full], bits, codec,
+                    out=out[: full * S].view(full, S))  # fmt: skip
+    if full * S < n:
+        last = decode_rows(packed[full : full + 1], mins[full : full + 1],
+                           scales[full : full + 1], bits, codec)  # fmt: skip
+        out[full * S :].copy_(last.reshape(-1)[: n - full * S])
+
+
 def dequantize_chunks(
     packed: torch.Tensor, mins: torch.Tensor, scales: torch.Tensor, bits: int, codec: str = "auto"
 ) -> torch.Tensor:
@@ -210,16 +294,16 @@ def quantize(
     _check_chunk_size(chunk_size)
     flat = _flat_fp32(x)
     n_chunks = -(-flat.numel() // chunk_size)
-    chunks = _pad_to(flat, n_chunks * chunk_size).reshape(n_chunks, chunk_size)
-    packed, mins, scales = quantize_chunks(chunks, bits, generator, codec)
+    packed, mins, scales = quantize_flat(flat, n_chunks, chunk_size, bits, generator, codec)
     return Quantized(packed.reshape(-1), mins, scales, bits, chunk_size, x.shape, x.dtype)
 
 
 def dequantize(q: Quantized, codec: str = "auto") -> torch.Tensor:
     """The decoded tensor, in `q`'s original shape and dtype."""
     packed = q.payload.reshape(q.mins.numel(), q.chunk_size * q.bits // 8)
-    values = dequantize_chunks(packed, q.mins, q.scales, q.bits, codec)
-    return values.reshape(-1)[: q.numel].reshape(q.shape).to(q.dtype)
+    out = torch.empty(q.numel, dtype=torch.float32, device=q.payload.device)
+    dequantize_into(out, packed, q.mins, q.scales, q.bits, codec)
+    return out.reshape(q.shape).to(q.dtype)
 
 
 def quantize_rows(
