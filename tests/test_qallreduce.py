@@ -215,8 +215,10 @@ def _pipelined(rank, world):
     """q4 over 12 buckets with error feedback, two steps: in 1, 3 or 8 messages, and with
     the codec eager, auto or compiled on every other rank."""
     out = {}
-    for stages, codec in [(1, "eager"), (3, "auto"), (8, "compiled" if rank % 2 else "eager")]:
-        cfg = _cfg(compression="q4", error_feedback=True, bucket_bytes=8_000,
+    mixed = "compiled" if rank % 2 else "eager"
+    for stages, codec, ef in [(1, "eager", True), (3, "auto", True), (8, mixed, True),
+                              (1, "eager", False), (8, mixed, False)]:  # fmt: skip
+        cfg = _cfg(compression="q4", error_feedback=ef, bucket_bytes=8_000,
                    pipeline_stages=stages, codec=codec)  # fmt: skip
         red = QuantizedAllReduce(cfg, None, rank, world, seed=3, sizes=SIZES)
         flats = []
@@ -224,7 +226,7 @@ def _pipelined(rank, world):
             flat = _grad(rank, step)
             stats = red.allreduce_(flat, step, average=True)
             flats.append(flat)
-        out[(stages, codec)] = (flats, len(stats.bits))
+        out[(stages, codec, ef)] = (flats, len(stats.bits))
     return out
 
 
@@ -384,11 +386,15 @@ def test_a_nan_on_one_rank_raises_on_every_rank_and_changes_no_buffer(group):
 def test_pipeline_stages_and_codec_paths_change_no_bit(group):
     world, res = group
     runs = [res[r]["pipelined"] for r in range(world)]
-    first, buckets = runs[0][(1, "eager")]
+    first, buckets = runs[0][(1, "eager", True)]
     assert buckets == 12
-    for run in runs:
-        for flats, _ in run.values():
-            assert all(torch.equal(a, b) for a, b in zip(flats, first, strict=True))
+    for ef in (True, False):
+        base = runs[0][(1, "eager", ef)][0]
+        for run in runs:
+            for (_, _, with_ef), (flats, _) in run.items():
+                if with_ef == ef:
+                    assert all(torch.equal(a, b) for a, b in zip(flats, base, strict=True))
+    assert not torch.equal(first[1], runs[0][(1, "eager", False)][0][1])
     exact = sum(_grad(r, 1) for r in range(world)) / world
     bound = _bound([_grad(r, 1) for r in range(world)], 4) / world
     err = (first[1] - exact).abs()  # this step's error plus the last step's residual

@@ -280,3 +280,24 @@ def test_quantize_flat_pads_like_quantize_chunks_without_copying_whole_chunks(bi
     dequantize_into(out, *flat, bits)
     step = _steps(x, 64, bits)
     assert ((out - x).abs() <= step * (1 + 1e-5) + 1e-6).all()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("bits", BITS)
+def test_requantize_sum_is_decode_sum_quantize_in_one_pass(world, bits):
+    from tidegraph.comm.quantize import dequantize_chunks, quantize_chunks, requantize_sum
+
+    for average in (False, True):
+        x = torch.randn(world * 37, 64, generator=_gen(world)) * 3
+        codes = quantize_chunks(x, bits, _gen(30))
+        values = dequantize_chunks(*codes, bits).view(world, 37, 64)
+        total = values[0].clone()
+        for row in values[1:]:  # rank order
+            total += row
+        if average:
+            total = total / world
+        expected = quantize_chunks(total, bits, _gen(31), codec="eager")
+        for codec in ("eager", "compiled"):
+            got = requantize_sum(*codes, world, average, bits, _gen(31), codec)
+            for a, b in zip(expected, got, strict=True):
+                assert torch.equal(a, b)
