@@ -41,6 +41,19 @@ def wiki():
     return load_stream("wikipedia", EVENTS)
 
 
+def drain(cluster, node) -> float:
+    """Ray's DrainNode on `node` (a spot preemption notice, 30 s deadline); when it was sent
+    (monotonic)."""
+    gcs = ray._raylet.GcsClient(address=cluster.address)
+    sent = time.monotonic()
+    accepted, why = gcs.drain_node(
+        node.node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
+        "test: spot preemption", int(time.time() * 1000) + 30_000,
+    )  # fmt: skip
+    assert accepted, why
+    return sent
+
+
 def config(trainers) -> RunConfig:
     raw = reference_run.reference_config("tgn")
     raw["model"]["slot_precision"] = "fp32"
@@ -65,14 +78,7 @@ def test_a_joining_node_grows_the_group_and_a_drained_one_shrinks_it(head_only, 
         seen["joined"] = time.monotonic()
         grow = until(lambda: group.resizes[:1], 120, "a trainer to join on the new node")
         seen["grow"] = grow[0]
-        gcs = ray._raylet.GcsClient(address=head_only.address)
-        deadline_ms = int(time.time() * 1000) + 30_000
-        seen["drain"] = time.monotonic()
-        accepted, why = gcs.drain_node(
-            node.node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
-            "test: spot preemption", deadline_ms,
-        )  # fmt: skip
-        assert accepted, why
+        seen["drain"] = drain(head_only, node)
         shrink = until(lambda: group.resizes[1:2], 30, "the drained node's trainer to leave")
         seen["shrink"], seen["left_s"] = shrink[0], time.monotonic() - seen["drain"]
         head_only.remove_node(node)  # the node goes away: nothing of the run was on it
@@ -153,13 +159,7 @@ def test_a_drained_node_hands_its_shard_over_before_the_deadline(head_only, wiki
     def during(learner) -> None:
         group = learner.group
         (part,) = [p for p, n in enumerate(group._shard_nodes()) if n == node.node_id]
-        gcs = ray._raylet.GcsClient(address=head_only.address)
-        seen["drain"] = time.monotonic()
-        accepted, why = gcs.drain_node(
-            node.node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
-            "test: spot preemption", int(time.time() * 1000) + 30_000,
-        )  # fmt: skip
-        assert accepted, why
+        seen["drain"] = drain(head_only, node)
         until(lambda: group.shard_moves, 30, "the drained node's shard to move")
         seen["moved_s"], seen["part"] = time.monotonic() - seen["drain"], part
         head_only.remove_node(node)
@@ -198,13 +198,7 @@ def test_a_joining_node_gets_a_shard_actor_and_a_drained_one_hands_it_back(
         seen["node"] = node.node_id
         until(lambda: group.shard_resizes[:1], 120, "a shard actor to start on the new node")
         seen["grown"] = {n for n in group._shard_nodes()}
-        gcs = ray._raylet.GcsClient(address=head_only.address)
-        seen["drain"] = time.monotonic()
-        accepted, why = gcs.drain_node(
-            node.node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
-            "test: spot preemption", int(time.time() * 1000) + 30_000,
-        )  # fmt: skip
-        assert accepted, why
+        seen["drain"] = drain(head_only, node)
         until(lambda: group.shard_resizes[1:2], 30, "the partition to come back")
         seen["back_s"] = time.monotonic() - seen["drain"]
         seen["after"] = {n for n in group._shard_nodes()}

@@ -79,6 +79,11 @@ def test_ray_job_submit_runs_the_job_to_success(auth, tmp_path):
         RAY, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}",
         "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--num-cpus=4",
         f"--temp-dir={temp_dir}", "--disable-usage-stats",
+        # the head's agents on free ports: Ray's fixed defaults (52365, ...) may be held by
+        # another Ray instance on this machine, and the job agent would never come up
+        *(f"--{flag}={free_port()}" for flag in (
+            "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
+            "runtime-env-agent-port", "metrics-export-port", "ray-client-server-port")),
     ]  # fmt: skip
     try:
         subprocess.run(start, env=env, check=True, timeout=120, capture_output=True)
