@@ -11,9 +11,7 @@ A record is raw bytes, not a pickle: a JSON header (the records' nesting, each t
 and shape, the loss) and then every tensor's bytes, each at an 8-byte boundary. Writing it is
 a few `write` calls on views of the tensors, which release the GIL while the kernel copies;
 `torch.save` held the GIL while it pickled and zipped (with a CRC of every byte), stalling
-the training thread's Python between kernels. The writer thread runs at the lowest CPU
-priority (nice 19, Linux), so on a busy machine it takes the cores' idle moments (the waits of
-the step's collectives) rather than time from training; at most `QUEUED` records wait for it
+the training thread's Python between kernels. At most `QUEUED` records wait for the writer
 (then `record` waits: memory stays bounded). Records of the earlier format
 (`step-NNNNNNNNN.pt`, `torch.save`) are still read, so a run directory written before can
 resume.
@@ -30,7 +28,6 @@ checkpoints). Evaluation passes are computed again (they are forward passes only
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -204,8 +201,6 @@ class UpdateLog:
         self._thread.join(timeout=30)
 
     def _write(self) -> None:
-        with contextlib.suppress(AttributeError, OSError):  # per-thread nice: Linux
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         while True:
             item = self._queue.get()
             try:
