@@ -321,6 +321,50 @@ def test_sharded_node_state_recovers_in_step_per_task_runs(
     assert_same_run(got, sharded_fault_free)
 
 
+def test_a_lost_shard_owning_node_state_without_a_replica_replays_its_journal(
+    ray_session, wiki, sharded_fault_free, tmp_path
+):
+    """`cluster.memory: sharded` and no replica: a shard SIGKILLed in the second increment is
+    rebuilt from its state in the newest checkpoint plus what changed the shards since, in
+    order (the batches ingested and every step's node-state updates, kept on the driver's
+    node), by the surviving shard actor; the run ends bitwise as the fault-free one, every
+    shard holding the log's events."""
+    cfg = config(memory="sharded")
+    cfg.checkpoint_every = 1
+    set_determinism(7, threads=1)
+    orchestrator = Orchestrator(cfg, wiki, run_dir=RunDir(str(tmp_path), "journal"))
+    killed = threading.Event()
+
+    def kill_later() -> None:
+        for _ in range(60000):  # bounded: until increment 1's steps run
+            learner = orchestrator.learner
+            if learner is not None and learner.cursor.increment >= 1 and \
+                    learner.cursor.step >= 20:  # fmt: skip
+                os.kill(ray.get(learner.group.shards[1].pid.remote()), signal.SIGKILL)
+                killed.set()
+                return
+            time.sleep(0.001)
+
+    thread = threading.Thread(target=kill_later, daemon=True)
+    thread.start()
+    try:
+        for _ in range(200):  # bounded
+            if orchestrator.step() in (RunState.FINISHED, RunState.ERRORED):
+                break
+        assert orchestrator.state is RunState.FINISHED, orchestrator.error
+        assert killed.is_set() and orchestrator.restarts == 0
+        learner = orchestrator.learner
+        rebuilt = [e for e in learner.group.recoveries if "events" in e]
+        assert [e["lost_shards"] for e in rebuilt] == [[1]] and rebuilt[0]["snapshot"]
+        got = {"model": learner.group.model_state(), "history": learner.history,
+               "steps": learner.cursor.step,
+               "shard_events": learner.group.report(wiki.events.src, wiki.events.dst)}  # fmt: skip
+    finally:
+        thread.join(timeout=60)
+        orchestrator.close()
+    assert_same_run(got, sharded_fault_free)
+
+
 @pytest.mark.parametrize(("at", "kind"), [("forward", "fault"), ("after_step", "fault"),
                                           ("sigkill", "outside")])  # fmt: skip
 def test_a_task_per_step_run_recovers_its_pipelined_steps_bitwise(

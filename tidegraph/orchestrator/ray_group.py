@@ -216,6 +216,12 @@ class RayGroup:
         self.recoveries: list[dict] = []  # one record per trainer recovery
         self._stale: set[int] = set()  # trainers whose copy of a replica is not complete
         self._stale_shards: set[int] = set()  # shards rebuilt but not yet checked
+        # with node state on the shards and no replica: what changed the shards, in order
+        # (ingests, node-state updates as driver-owned copies, resets, loads), since the
+        # last two states taken (checkpoints); a lost shard replays it from its snapshot
+        self._journal: list[tuple] = []
+        self._journal_base = 0  # the position of _journal[0] in the run's journal
+        self._journal_cuts: list[int] = []  # positions at the states taken
         self.recoveries_left = config.cluster.max_recoveries
         self._inflight: collections.deque[PendingLoss] = collections.deque()
         self._pending: list = []  # (seq, updates of every slice) of the last step, not sent
@@ -476,6 +482,7 @@ class RayGroup:
         self.drain()  # steps under way read the shards: they finish before shards change
         if span is not None:
             self.ingests.append((int(span[0]), int(span[1]), self.feature_gen.get_state()))
+            self._note("ingest", len(self.ingests) - 1)
         pieces = route_batch(self.partitioner, events, self.config.data.feature_precision,
                              self.feature_gen)  # fmt: skip
         self.balancer.ingest(events)
@@ -1441,12 +1448,6 @@ class RayGroup:
         if not lost:
             self._refresh(self.num_nodes, live, recovering=True)
             return
-        if self.sharded:
-            raise RuntimeError(
-                f"shards {lost} were lost with the node state they own (cluster.memory "
-                "'sharded') and no replica (cluster.shard_replicas); it cannot be rebuilt "
-                "from the event log: resume the run from its last checkpoint"
-            ) from cause
         if self.replay_source is None:
             raise RuntimeError(f"shards {lost} were lost and no replay source is set") from cause
         self.recoveries_left -= 1
@@ -1455,6 +1456,17 @@ class RayGroup:
         t0 = time.perf_counter()
         self._stale_shards = set(lost)
         snap, start = self._snapshot()
+        ops = [("ingest", k) for k in range(start, len(self.ingests))]
+        if self.sharded:  # node state too: the journal since the snapshot, in order
+            since = 0 if snap is None else snap.get("journal_pos", -1)
+            if since < self._journal_base:
+                raise RuntimeError(
+                    f"shards {lost} were lost with the node state they own (cluster.memory "
+                    "'sharded') and no replica (cluster.shard_replicas), and the journal of "
+                    "node-state updates since their snapshot is gone: resume the run from "
+                    "its last checkpoint"
+                ) from cause
+            ops = self._journal[since - self._journal_base :]
         where = self._rebuild_hosts(lost)
         # each lost partition as the checkpoint holds it (or empty), then the later ingests
         ray.get([actor.add_part.remote(p, *self._part_args(p),
@@ -1465,14 +1477,23 @@ class RayGroup:
             expected = {p: snap["shards"][p]["num_events"] for p in lost}
         gen = torch.Generator()
         calls = []
-        for lo, hi, state in self.ingests[start:]:
-            gen.set_state(state)
-            events = self.replay_source(lo, hi)
-            pieces = route_batch(self.partitioner, events, self.config.data.feature_precision,
-                                 gen)  # fmt: skip
-            for p in lost:
-                expected[p] += pieces[p].num_events
-                calls.append(self.shards[p].ingest.remote(pieces[p]))
+        for kind, what in ops:  # each actor runs its calls in order
+            if kind == "ingest":
+                lo, hi, state = self.ingests[what]
+                gen.set_state(state)
+                events = self.replay_source(lo, hi)
+                pieces = route_batch(self.partitioner, events,
+                                     self.config.data.feature_precision, gen)  # fmt: skip
+                for p in lost:
+                    expected[p] += pieces[p].num_events
+                    calls.append(self.shards[p].ingest.remote(pieces[p]))
+            elif kind == "apply":
+                calls += [self.shards[p].apply_state.remote(what) for p in lost]
+            elif kind == "reset":
+                calls += [self.shards[p].reset_state.remote() for p in lost]
+            else:  # "load"
+                parts = ray.get(what)
+                calls += [self.shards[p].load_node_state_dict.remote(parts[p]) for p in lost]
         ray.get(calls)
         held = {p: ray.get(self.shards[p].report.remote())["events"] for p in lost}
         if held != expected:
@@ -1609,6 +1630,8 @@ class RayGroup:
         until then, in order before anything the trainer does next), or to every shard
         (waited for: trainers read shards next)."""
         if self.sharded:
+            if self._journaling:  # copies on the driver's node: a trainer's node may go
+                self._note("apply", ray.put(ray.get(list(updates))))
             ray.get([s.apply_state_of.remote(*updates) for s in self._all_copies()])
             return
         self._flush()
@@ -1646,6 +1669,7 @@ class RayGroup:
     def reset_state(self) -> None:
         self._all("reset_state")
         if self.sharded:
+            self._note("reset", None)
             ray.get([s.reset_state.remote() for s in self._all_copies()])
 
     def node_state(self) -> dict:
@@ -1657,6 +1681,7 @@ class RayGroup:
     def load_node_state(self, state: dict) -> None:
         if self.sharded:
             parts = state["shards"]
+            self._note("load", ray.put(parts) if self._journaling else None)
             ray.get([s.load_node_state_dict.remote(x) for p, x in enumerate(parts)
                      for s in self._copies(p)])  # fmt: skip
             return
@@ -1725,9 +1750,31 @@ class RayGroup:
 
     # ---- state --------------------------------------------------------------------------------
 
+    @property
+    def _journaling(self) -> bool:
+        return self.sharded and self.num_copies == 1
+
+    def _note(self, kind: str, what) -> None:
+        """Journal one change of the shards (`_journal`)."""
+        if self._journaling:
+            self._journal.append((kind, what))
+
+    def _cut_journal(self) -> int:
+        """The journal's position now (a state is taken); entries older than the states
+        taken before the last one are dropped (a rebuild starts from the newest checkpoint,
+        or the one before if the newest was not written)."""
+        pos = self._journal_base + len(self._journal)
+        self._journal_cuts = [*self._journal_cuts[-1:], pos]
+        drop = self._journal_cuts[0] - self._journal_base
+        if drop > 0:
+            del self._journal[:drop]
+            self._journal_base += drop
+        return pos
+
     def state_dict(self) -> dict:
         self.drain()
         return {
+            "journal_pos": self._cut_journal(),
             "memory_placement": self.memory_placement,
             "partitioner": self.partitioner.state_dict(),
             "feature_gen": self.feature_gen.get_state(),
@@ -1746,6 +1793,8 @@ class RayGroup:
         load_generator_state(self.feature_gen, state["feature_gen"], "feature rounding")
         self.balancer.load_state_dict(state["balancer"])
         self.ingests = list(state["ingests"])
+        self._journal, self._journal_cuts = [], []
+        self._journal_base = state.get("journal_pos", 0)
         ray.get([s.load_state_dict.remote(x) for p, x in enumerate(state["shards"])
                  for s in self._copies(p)])  # fmt: skip
         self.start_trainers = state.get("start_trainers", self.start_trainers)
