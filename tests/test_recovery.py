@@ -148,24 +148,19 @@ def test_a_shard_sigkilled_mid_pass_is_rebuilt_from_the_log_exactly(ray_session,
     assert_same_run(got, fault_free)  # including every shard's event count
 
 
-def test_a_lost_shard_restarts_from_its_checkpoint_snapshot(
-    ray_session, wiki, fault_free, tmp_path
-):
-    """With a run directory, a shard lost after some increments starts from its state in the
-    newest checkpoint and only the batches ingested since are routed to it again; the run
-    ends bitwise as the fault-free one, every shard holding the log's events."""
-    cfg = config()
+def orchestrated(cfg: RunConfig, wiki, tmp_path, name: str, due) -> tuple[dict, object, int]:
+    """A whole run through the orchestrator, with a checkpoint after every increment, and
+    shard 1's process SIGKILLed once `due(learner)`; (results, learner, restarts)."""
     cfg.checkpoint_every = 1
     set_determinism(7, threads=1)
-    orchestrator = Orchestrator(cfg, wiki, run_dir=RunDir(str(tmp_path), "snapshot"))
+    orchestrator = Orchestrator(cfg, wiki, run_dir=RunDir(str(tmp_path), name))
     killed = threading.Event()
 
     def kill_later() -> None:
-        for _ in range(60000):  # bounded: until increment 2's passes run
+        for _ in range(60000):  # bounded
             learner = orchestrator.learner
-            if learner is not None and learner.cursor.increment >= 2:
-                pid = ray.get(learner.group.shards[1].pid.remote())
-                os.kill(pid, signal.SIGKILL)
+            if learner is not None and due(learner):
+                os.kill(ray.get(learner.group.shards[1].pid.remote()), signal.SIGKILL)
                 killed.set()
                 return
             time.sleep(0.001)
@@ -182,12 +177,23 @@ def test_a_lost_shard_restarts_from_its_checkpoint_snapshot(
         got = {"model": learner.group.model_state(), "history": learner.history,
                "steps": learner.cursor.step,
                "shard_events": learner.group.report(wiki.events.src, wiki.events.dst)}  # fmt: skip
-        rebuilt = [e for e in learner.group.recoveries if "snapshot" in e]
     finally:
         RayGroup.progress_s = default
         thread.join(timeout=30)
         orchestrator.close()
     assert killed.is_set()
+    return got, learner, orchestrator.restarts
+
+
+def test_a_lost_shard_restarts_from_its_checkpoint_snapshot(
+    ray_session, wiki, fault_free, tmp_path
+):
+    """With a run directory, a shard lost after some increments starts from its state in the
+    newest checkpoint and only the batches ingested since are routed to it again; the run
+    ends bitwise as the fault-free one, every shard holding the log's events."""
+    got, learner, _ = orchestrated(config(), wiki, tmp_path, "snapshot",
+                                   lambda learner: learner.cursor.increment >= 2)  # fmt: skip
+    rebuilt = [e for e in learner.group.recoveries if "snapshot" in e]
     (event,) = rebuilt
     assert event["lost_shards"] == [1] and event["snapshot"]
     assert event["replayed_batches"] < len(learner.group.ingests)
@@ -329,39 +335,12 @@ def test_a_lost_shard_owning_node_state_without_a_replica_replays_its_journal(
     order (the batches ingested and every step's node-state updates, kept on the driver's
     node), by the surviving shard actor; the run ends bitwise as the fault-free one, every
     shard holding the log's events."""
-    cfg = config(memory="sharded")
-    cfg.checkpoint_every = 1
-    set_determinism(7, threads=1)
-    orchestrator = Orchestrator(cfg, wiki, run_dir=RunDir(str(tmp_path), "journal"))
-    killed = threading.Event()
-
-    def kill_later() -> None:
-        for _ in range(60000):  # bounded: until increment 1's steps run
-            learner = orchestrator.learner
-            if learner is not None and learner.cursor.increment >= 1 and \
-                    learner.cursor.step >= 20:  # fmt: skip
-                os.kill(ray.get(learner.group.shards[1].pid.remote()), signal.SIGKILL)
-                killed.set()
-                return
-            time.sleep(0.001)
-
-    thread = threading.Thread(target=kill_later, daemon=True)
-    thread.start()
-    try:
-        for _ in range(200):  # bounded
-            if orchestrator.step() in (RunState.FINISHED, RunState.ERRORED):
-                break
-        assert orchestrator.state is RunState.FINISHED, orchestrator.error
-        assert killed.is_set() and orchestrator.restarts == 0
-        learner = orchestrator.learner
-        rebuilt = [e for e in learner.group.recoveries if "events" in e]
-        assert [e["lost_shards"] for e in rebuilt] == [[1]] and rebuilt[0]["snapshot"]
-        got = {"model": learner.group.model_state(), "history": learner.history,
-               "steps": learner.cursor.step,
-               "shard_events": learner.group.report(wiki.events.src, wiki.events.dst)}  # fmt: skip
-    finally:
-        thread.join(timeout=60)
-        orchestrator.close()
+    due = lambda learner: learner.cursor.increment >= 1 and learner.cursor.step >= 20  # noqa: E731
+    got, learner, restarts = orchestrated(config(memory="sharded"), wiki, tmp_path, "journal",
+                                          due)  # fmt: skip
+    assert restarts == 0
+    rebuilt = [e for e in learner.group.recoveries if "events" in e]
+    assert [e["lost_shards"] for e in rebuilt] == [[1]] and rebuilt[0]["snapshot"]
     assert_same_run(got, sharded_fault_free)
 
 
