@@ -602,13 +602,13 @@ class QuantizedAllReduce:
 
     def _quantized(self, flat, ranges, bits: list[int], average: bool, step: int) -> int:
         """Two-way quantized exchange of the compressed buckets, pipelined in stages of whole
-        buckets (see `_stages`): a stage's all-to-all and the previous stage's all-gather
-        travel while the next stage is encoded and summed. A failure in any stage must leave
-        `flat` unchanged on every rank, so decoding into it starts once every rank says it
-        encoded all its values (a one-value all-reduce after the last stage; `_clear`);
-        gathered stages are then decoded as they arrive. Codes come from per-bucket draws of two
-        streams (worker, owner) taken in bucket order, so the result does not depend on the
-        number of stages."""
+        buckets (see `_stages`): each stage's all-to-all leaves as soon as it is encoded,
+        owners sum each stage once it arrived and send it on, and gathered stages are
+        decoded as they arrive. A failure in any stage must leave `flat` unchanged on every
+        rank, so decoding into it starts once every rank said it encoded all its values (a
+        one-value all-reduce after the last encode; `_clear`). Codes come from per-bucket draws
+        of two streams (worker, owner) taken in bucket order, so the result does not depend
+        on the number of stages."""
         cfg, W, S = self.config, self.world, self.config.chunk_size
         comp = self._compensated(flat, ranges)
         buckets, at = [], 0
@@ -617,24 +617,25 @@ class QuantizedAllReduce:
             at += hi - lo
         stages = _stages(buckets, S, cfg.pipeline_stages)
         ex = _Exchange(self, comp, stages, average, step)
-        # encode stage i and start sending it to its owners, then sum stage i - 1 as owner
-        # and start sending that to everyone: both directions of the link carry both kinds
+        # encode every stage, each sent to its owners at once (the link is the slower part);
+        # then say whether all encoded: once no rank failed, no later step can (workers
+        # refuse magnitudes whose sum could overflow), so gathered stages may be decoded into
+        # `flat` as they arrive, not after the last one. Collectives start in the same order
+        # on every rank (gloo matches them by order), whatever arrives when.
         gathers: list[_Pending] = []
-        flags = None  # every rank's worker flag, exchanged once all are encoded
-        done = 0  # stages decoded into `flat`
-        decoded_own: list[torch.Tensor] = []
-        for i, stage in enumerate(stages):
+        for stage in stages:
             ex.send_stage(stage)
-            if i == len(stages) - 1 and i:
-                flags = self._start_flags(ex.worker_flag, comp.device)
-            if i:
-                gathers.append(self._owner_step(ex, stages, i - 1))
-            while _clear(flags, block=False) and done < len(gathers) and gathers[done].done():
+        flags = self._start_flags(ex.worker_flag, comp.device) if len(stages) > 1 else None
+        done, ready = 0, False  # stages decoded into `flat`; no stage can fail any more
+        decoded_own: list[torch.Tensor] = []
+        while len(gathers) < len(stages):
+            gathers.append(self._owner_step(ex, stages, len(gathers)))
+            ready = ready or _clear(flags, block=False)
+            while ready and done < len(gathers) and gathers[done].done():
                 self._decode_stage(flat, stages[done], gathers[done].wait(), step, decoded_own)
                 done += 1
-        gathers.append(self._owner_step(ex, stages, len(stages) - 1))
-        if not _clear(flags, block=True):  # a failure anywhere flags every later piece of
-            # its owner, the last ones included: every rank raises alike, `flat` unchanged
+        if not (ready or _clear(flags, block=True)):  # a failure anywhere flags every later
+            # piece of its owner, the last ones included: every rank raises alike
             _raise_flagged(torch.stack([g.wait()[:, -1] for g in gathers]), step)
         for k in range(done, len(stages)):
             self._decode_stage(flat, stages[k], gathers[k].wait(), step, decoded_own)
