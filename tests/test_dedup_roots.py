@@ -21,7 +21,7 @@ from tidegraph.storage.events import EventBatch
 from tidegraph.training import ContinualLearner, RunConfig
 from tidegraph.training.config import SamplerConfig
 from tidegraph.training.data import stream_of
-from tidegraph.training.sampling import AutoRootDedup, sample_options
+from tidegraph.training.sampling import sample_options
 
 METRICS = ("ap", "auc", "mrr", "loss", "val_ap")
 NAMES = ("dst_ids", "dst_ts", "nbr_ids", "nbr_ts", "nbr_eids", "dt", "mask")
@@ -162,26 +162,6 @@ def test_a_run_with_distinct_roots_matches_one_without_within_float_tolerance(mo
         for key in ("ap", "auc", "val_ap"):
             if key in a:
                 assert abs(a[key] - b[key]) < 2e-3, (key, a[key], b[key])
-
-
-def test_auto_probes_while_off_and_turns_off_after_declines_in_a_row(hub):
-    ev, _ = hub
-    part, neg = _batch(ev)
-    repeats = link_roots(part.src, part.dst, neg, part.t)  # hub batch: ~half distinct
-    distinct = (torch.arange(600), torch.arange(600).double())
-    auto = AutoRootDedup(ratio=0.9, every=3)
-    # off: batches 1 and 4 are probes; the 4th repeats roots and turns it on
-    assert [auto(*r) for r in (distinct, repeats, repeats, repeats)] == [None, None, None, 0.9]
-    for deduplicated in (False, False, True, False, False):  # never 3 declines in a row
-        assert auto(*distinct) == 0.9
-        auto.seen(deduplicated)
-    again = AutoRootDedup(ratio=0.9, every=3)
-    again.load_state_dict(auto.state_dict())
-    for a in (auto, again):
-        assert a(*distinct) == 0.9
-        a.seen(False)  # the third decline in a row: off, and the next batch is a probe
-        assert [a(*distinct), a(*repeats), a(*repeats)] == [None, None, None]
-        assert a(*repeats) == 0.9
 
 
 @pytest.mark.parametrize("model", ["tgn", "tgat"])

@@ -20,11 +20,9 @@ from __future__ import annotations
 import torch
 
 from tidegraph.rng import load_generator_state
-from tidegraph.sampling.multihop import distinct_roots
 from tidegraph.storage.events import EventBatch
 
 __all__ = [
-    "AutoRootDedup",
     "ImportanceReplay",
     "NegativeSampler",
     "UniformReplay",
@@ -124,54 +122,11 @@ def build_replay(kind: str, seed: int, floor: float = 0.1) -> UniformReplay:
 
 
 # `root_dedup: auto` deduplicates a batch's roots when at most this share of them are distinct
-# (an e-mail stream: ~0.84; Wikipedia and CollegeMsg: ~1.0); on a stream whose batches do not
-# repeat roots it looks at the share only every AUTO_PROBE_EVERY-th batch: finding the distinct
-# roots (~50 us per batch of 600 roots, a sort) on every batch of such a stream is a cost with
-# nothing to show for it
+# (an e-mail stream: ~0.84; Wikipedia and CollegeMsg: ~1.0). The sampler looks at every batch:
+# the decision is a function of the batch alone, so a run's bits (deduplication changes float
+# summation order in backward) do not depend on how its batches were cut among trainers, nor
+# on a resize or a recovery that copied another trainer's state
 AUTO_ROOT_DEDUP = 0.9
-AUTO_PROBE_EVERY = 32
-
-
-class AutoRootDedup:
-    """`sampler.root_dedup: auto` for one trainer's batches of one kind (training or
-    evaluation), in two modes:
-    - off: no deduplication is asked, so a batch costs nothing extra; every `every`-th batch
-      is a probe, and a probe whose distinct (node, time) share is at most `ratio` turns it on;
-    - on: every batch asks the sampler for deduplication at `ratio` (the sampler checks that
-      batch exactly and may decline); `every` declines in a row turn it off.
-    Call it for a batch's option, then `seen` with whether the sampler deduplicated. A decision
-    changes speed and float summation order only (logits are bitwise either way;
-    `tidegraph.sampling.multihop`)."""
-
-    def __init__(self, ratio: float = AUTO_ROOT_DEDUP, every: int = AUTO_PROBE_EVERY) -> None:
-        self.ratio, self.every = ratio, every
-        self.on = False
-        self.count = 0  # off: batches since the last probe; on: declines in a row
-
-    def __call__(self, roots: torch.Tensor, ts: torch.Tensor) -> float | None:
-        """The `dedup_roots` option for a batch with these roots."""
-        if not self.on:
-            self.count = (self.count + 1) % self.every
-            if self.count != 1 % self.every:
-                return None
-            distinct = distinct_roots(roots, ts.to(torch.float64), None)[0].shape[0]
-            if distinct > self.ratio * roots.shape[0]:
-                return None
-            self.on, self.count = True, 0
-        return self.ratio
-
-    def seen(self, deduplicated: bool) -> None:
-        """Whether the sampler deduplicated the batch it was last asked to (when on)."""
-        if self.on:
-            self.count = 0 if deduplicated else self.count + 1
-            if self.count >= self.every:
-                self.on, self.count = False, 0
-
-    def state_dict(self) -> dict:
-        return {"on": self.on, "count": self.count}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.on, self.count = bool(state["on"]), int(state["count"])
 
 
 def sample_options(config, model, batch_start: float | None) -> dict:
@@ -179,7 +134,7 @@ def sample_options(config, model, batch_start: float | None) -> dict:
     `SamplerConfig`): with `history: batch` roots see only edges before `batch_start`, the
     earliest time of the global batch's new events (None: none new, as in a batch of replayed
     events alone: their own times); `root_dedup` applies to models whose embeddings allow it
-    (`root_dedup`; `auto` is then narrowed by an `AutoRootDedup`)."""
+    (`root_dedup`)."""
     dedup = {"always": 1.0, "never": None}.get(config.root_dedup, AUTO_ROOT_DEDUP)
     if not model.root_dedup or (config.root_dedup == "auto" and config.strategy != "recent"):
         dedup = None

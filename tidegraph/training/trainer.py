@@ -29,7 +29,7 @@ from tidegraph.storage.cache import CachedFeatureStore
 from tidegraph.storage.events import EventBatch
 from tidegraph.training.fetch import flat_blocks, join_edge_features
 from tidegraph.training.optim import FlatAdam
-from tidegraph.training.sampling import AutoRootDedup, sample_options
+from tidegraph.training.sampling import sample_options
 from tidegraph.training.schedule import batch_start
 
 __all__ = ["SliceResult", "TrainerCore"]
@@ -92,9 +92,6 @@ class TrainerCore:
         # edges sampled by each training step's slice (the last ones; for balance reports)
         self.step_edges: collections.deque[int] = collections.deque(maxlen=100_000)
         self._sampled_edges = 0
-        # `sampler.root_dedup: auto`, decided from a probe every few batches (per kind: how
-        # evaluation is chunked does not move the training batches' decisions)
-        self.auto_dedup = {"train": AutoRootDedup(), "eval": AutoRootDedup()}
 
     # ---- parameters -------------------------------------------------------------------------
 
@@ -129,14 +126,7 @@ class TrainerCore:
         t0 = time.perf_counter()
         roots, ts = link_roots(ev.src, ev.dst, neg_BQ, ev.t)
         options = sample_options(self.config.sampler, self.model, start)
-        auto = None
-        if options["dedup_roots"] is not None and self.config.sampler.root_dedup == "auto":
-            auto = self.auto_dedup["train" if self.model.training else "eval"]
-            options["dedup_roots"] = auto(roots, ts)
         blocks = self.sampler.sample(roots, ts, **options)
-        if auto is not None and options["dedup_roots"] is not None:
-            first = blocks[0][0] if isinstance(blocks[0], list) else blocks[0]
-            auto.seen(first.root_index is not None)
         self._sampled_edges = sum(int(b.mask.sum()) for b in flat_blocks(blocks))
         blocks = _blocks_to(blocks, self.device)
         t1 = time.perf_counter()
@@ -372,7 +362,6 @@ class TrainerCore:
             "edge_cache": None if cache is None else cache.state_dict(),
             "features": None if cache is None else cache.store.state_dict(),
             "comm": sync.state_dict() if hasattr(sync, "state_dict") else sync,
-            "root_dedup": {k: d.state_dict() for k, d in self.auto_dedup.items()},
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -390,8 +379,6 @@ class TrainerCore:
         self.optimizer.load_state_dict(state["optimizer"])
         self.steps = state.get("steps", 0)
         self.grad_sync = state.get("comm")  # made live by the collective at the next step
-        for kind, part in state.get("root_dedup", {}).items():
-            self.auto_dedup[kind].load_state_dict(part)
         if self.edge_cache is not None:
             self.edge_cache.store.load_state_dict(state["features"])
             self.edge_cache.load_state_dict(state["edge_cache"])
