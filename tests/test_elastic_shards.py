@@ -171,3 +171,23 @@ def test_node_state_rows_move_with_their_partitions(ray_session, wiki, quick_pol
     sizes = [(r["from"], r["to"]) for r in got["shard_resizes"]]
     assert sizes[0] == (4, 2), sizes
     assert_same_run(got, want)
+
+
+def test_rapid_shard_count_requests_leave_a_consistent_run(ray_session, wiki, fixed, quick_polls):
+    """Operators change their mind faster than actors start: 1, 4, 2, 4, 1 shard actors a
+    few steps apart. Every change starts from the count the last one left, partitions are
+    never lost or held twice, and the run is bitwise the one with 4 fixed shards."""
+
+    def during(learner) -> None:
+        group = learner.group
+        _at(learner, 0.1)
+        for count in (1, 4, 2, 4, 1):  # each taken by the driver before the next is asked
+            _ask(learner, count)
+            _until(lambda c=count: group.shard_target == c or learner.done, "the request taken")
+
+    got = run(config({"min": 1, "max": PARTS}), wiki, during, join_s=180)
+    sizes = [(r["from"], r["to"]) for r in got["shard_resizes"]]
+    assert sizes and sizes[0] == (4, 1) and sizes[-1][1] == 1, sizes
+    assert all(a[1] == b[0] for a, b in zip(sizes, sizes[1:], strict=False)), sizes
+    assert got["recoveries"] == []
+    assert_same_run(got, fixed)

@@ -125,11 +125,13 @@ class _Recording:
         return blocks
 
 
-def _learner(history: str, stream, trainers: int = 1, backend: str = "local", shards: int = 1):
+def _learner(
+    history: str, stream, trainers: int = 1, backend: str = "local", shards: int = 1, **cluster
+):
     raw = reference_run.reference_config("tgn")
     raw["sampler"] = {"history": history}
     raw["model"]["slot_precision"] = "fp32"
-    raw["cluster"] = {"backend": backend, "shards": shards, "trainers": trainers}
+    raw["cluster"] = {"backend": backend, "shards": shards, "trainers": trainers, **cluster}
     raw["run_name"] = "tidegraph-test-fair"
     return ContinualLearner(RunConfig.from_dict(raw), stream)
 
@@ -162,16 +164,19 @@ def test_batch_history_learns_and_differs_from_event_history(wiki):
     assert runs["batch"]["val_ap"] != runs["event"]["val_ap"]
 
 
-@pytest.mark.parametrize("trainers", [1, 2])
-def test_batch_history_on_ray_equals_the_local_group(ray_session, wiki, trainers):
+@pytest.mark.parametrize(("trainers", "cluster"), [
+    (1, {}), (2, {}), (2, {"whole_passes": False}), (2, {"memory": "sharded"}),
+])  # fmt: skip
+def test_batch_history_on_ray_equals_the_local_group(ray_session, wiki, trainers, cluster):
     """Shards answer capped requests; the trainer's hop loop restores own times: on Ray
     (two shard actors, one or two trainer actors) the run is the in-process group's,
     bitwise. With two, every slice is capped at its global batch's start: training slices
-    carry it, evaluation slices of a whole pass agree on it (a collective)."""
+    carry it, evaluation slices of a whole pass agree on it (a collective), and evaluation
+    tasks per slice (a task per step, node state on the shards) get it from the driver."""
     out = []
     for backend in ("local", "ray"):
         set_determinism(7, threads=1)
-        learner = _learner("batch", wiki, trainers, backend=backend, shards=2)
+        learner = _learner("batch", wiki, trainers, backend=backend, shards=2, **cluster)
         try:
             learner.run_phase1()
             out.append((learner.group.model_state(), learner.history))

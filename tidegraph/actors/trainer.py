@@ -39,12 +39,6 @@ class _Trainer:
         self.incarnation = incarnation
         self.num_nodes = num_nodes  # node ids the tables have room for
         self.config = RunConfig.from_dict(config)
-        if sharded and self.config.sampler.history == "batch" and self.config.cluster.trainers > 1:
-            raise ValueError(  # the node-state size chose sharded (`cluster.memory: auto`)
-                "sampler.history 'batch' with several trainers needs replicated node state "
-                "(cluster.memory: replicated): with sharded state evaluation runs a task per "
-                "slice, and a slice does not know its batch's start"
-            )
         c = self.config.cluster
         self.rank, self.world = rank, world
         self.sharded = sharded
@@ -346,9 +340,10 @@ class _Trainer:
     def pid(self) -> int:
         return os.getpid()
 
-    def eval_slice(self, ev, neg, observe: bool, *before):
+    def eval_slice(self, ev, neg, observe: bool, start, *before):
+        """`start`: the global batch's start (`sampler.history: batch`; None: the slice's)."""
         self._apply_before(before)
-        return self.core.eval_slice(ev, neg, observe)
+        return self.core.eval_slice(ev, neg, observe, start)
 
     def apply_updates(self, *before) -> None:
         """`before` as `_apply_before` takes it."""

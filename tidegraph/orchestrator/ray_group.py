@@ -44,7 +44,7 @@ from tidegraph.storage.events import EventBatch
 from tidegraph.storage.partition import build_partitioner, partition_report
 from tidegraph.training.balance import SliceBalancer
 from tidegraph.training.group import check_placement, choose_memory_placement, state_row_bytes
-from tidegraph.training.schedule import train_slices
+from tidegraph.training.schedule import batch_start, train_slices
 from tidegraph.training.shard import route_batch
 
 __all__ = ["NoReplicaLeft", "PlacementTimeout", "RayGroup"]
@@ -1594,12 +1594,13 @@ class RayGroup:
             self._pending = before  # a trainer without a slice gets them on their own
             self._flush()
             before = []
+        start = batch_start(ev.t) if self.config.sampler.history == "batch" else None
         for trainer, (lo, hi) in zip(self.trainers, bounds, strict=True):
             if hi == lo:
                 continue
             args = _own((ev.select(slice(lo, hi)), neg_BQ[lo:hi]))
             outs.append(trainer.eval_slice.options(num_returns=3).remote(
-                *args, observe, *before
+                *args, observe, start, *before
             ))  # fmt: skip
         if observe and not self.sharded:
             self._apply_state([o[2] for o in outs])

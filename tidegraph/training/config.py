@@ -375,18 +375,6 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         check_fields(self, "")
-        c = self.cluster
-        if (
-            self.sampler.history == "batch"
-            and c.trainers > 1
-            and c.backend == "ray"
-            and (not c.whole_passes or c.memory == "sharded")
-        ):
-            raise ValueError(
-                "sampler.history 'batch' with several trainers on Ray needs cluster."
-                "whole_passes: true and cluster.memory other than 'sharded': evaluation runs "
-                "a task per slice otherwise, and a slice does not know its batch's start"
-            )
         if self.mode not in ("continual", "offline"):
             raise ValueError(f"mode must be 'continual' or 'offline', got {self.mode!r}")
         a, b = self.offline_split
