@@ -153,6 +153,7 @@ def test_a_lost_actor_holding_two_partitions_is_rebuilt_by_the_survivors(
     assert_same_run(got, fixed)
 
 
+@pytest.mark.slow  # two long runs; run before resolving
 def test_node_state_rows_move_with_their_partitions(ray_session, wiki, quick_polls):
     """`cluster.memory: sharded`: shard actors own their partitions' node-state rows (TGN
     memory), so a partition that moves takes its rows along. 4 partitions, 4 actors -> 2 ->
@@ -173,6 +174,7 @@ def test_node_state_rows_move_with_their_partitions(ray_session, wiki, quick_pol
     assert_same_run(got, want)
 
 
+@pytest.mark.slow  # two long runs; run before resolving
 def test_rapid_shard_count_requests_leave_a_consistent_run(ray_session, wiki, fixed, quick_polls):
     """Operators change their mind faster than actors start: 1, 4, 2, 4, 1 shard actors a
     few steps apart. Every change starts from the count the last one left, partitions are
