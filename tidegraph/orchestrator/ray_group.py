@@ -249,8 +249,15 @@ class RayGroup:
         # Ray claims a new node's resources for the pending ones as they appear
         self.min_trainers, self.max_trainers = _trainer_bounds(c)
         self.target = self.max_trainers
-        self.slots = [self._slot() for _ in range(self.max_trainers)]
+        # the minimum first: slots beyond it, asked for at once, could take the room the
+        # shards need (Ray may place later groups first when resources free up)
+        self.slots = [self._slot() for _ in range(self.min_trainers)]
         placed = self._wait_placed(self.trainer_bundle)
+        extra = [self._slot() for _ in range(self.max_trainers - self.min_trainers)]
+        if extra:  # those Ray places at once start with the run; the rest stay pending
+            ray.wait([pg.ready() for pg in extra], num_returns=len(extra), timeout=1.0)
+            placed += [pg for pg in extra if _slot_table(pg).get("state") == "CREATED"]
+            self.slots += extra
         try:
             self._start(config, num_nodes, edge_dim, cuda, placed)
         except ray.exceptions.RayError as exc:  # an actor failed in its constructor
