@@ -19,10 +19,10 @@ from tidegraph.orchestrator.ray_group import RayGroup
 from tidegraph.training import RunConfig, load_stream
 
 sys.path.insert(0, str(Path(__file__).parent))
-import reference_run  # noqa: E402
 from recovery_run import assert_same_run, run  # noqa: E402
+from test_elastic import EVENTS  # noqa: E402
+from test_elastic import config as elastic_config  # noqa: E402
 
-EVENTS = 20000
 PARTS = 4
 
 
@@ -32,15 +32,9 @@ def wiki():
 
 
 def config(shards, **cluster) -> RunConfig:
-    raw = reference_run.reference_config("tgn")
-    raw["model"]["slot_precision"] = "fp32"
-    raw["data"]["max_events"] = EVENTS
-    raw["train"].update(batch_size=100, epochs=3)
-    raw["continual"].update(num_increments=4, retrain_epochs=3)
-    raw["cluster"] = {"backend": "ray", "trainers": 2, "shards": shards,
-                      "shard_cpus": 0.25, "elastic_poll_s": 0.05, **cluster}  # fmt: skip
-    raw["run_name"] = "tidegraph-elastic-shards-test"
-    return RunConfig.from_dict(raw)
+    """test_elastic's run (long enough for an actor's process to start meanwhile) with 2
+    trainers and these shards."""
+    return elastic_config(2, shards=shards, shard_cpus=0.25, **cluster)
 
 
 @pytest.fixture(scope="module")

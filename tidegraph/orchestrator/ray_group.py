@@ -281,13 +281,10 @@ class RayGroup:
             name="tidegraph-coordinator", scheduling_strategy=here, **opts
         ).remote()
         self._shard_args = (edge_dim, cuda)
-        # partition p's shard lives in bundle `shard_slots[p][1]` of placement group
-        # `shard_slots[p][0]` (the shards' SPREAD group, or its own once it moved)
-        self.shard_slots = [(self.shard_pg, p) for p in range(c.shards)]
         self.shard_successors: dict[int, tuple] = {}  # p: (slot, actor, first answer)
         self.shard_moves: list[dict] = []  # one record per shard moved to another actor
         self._wanted_moves: set[int] = set()  # partitions an operator asked to move
-        self._top_up_shards(self.min_shards)
+        self._top_up_shards()
         if self.shard_spares:  # hosts in the slots placed by now start with the run
             ray.wait([pg.ready() for pg, _ in self.shard_spares],
                      num_returns=len(self.shard_spares), timeout=1.0)  # fmt: skip
@@ -295,8 +292,11 @@ class RayGroup:
         slots += [slot for slot in self.shard_spares if _slot_table(slot[0]).get("state")
                   == "CREATED"]  # fmt: skip
         self.shard_spares = [x for x in self.shard_spares if all(x is not y for y in slots)]
-        deal = [[p for p in range(c.shards) if p % len(slots) == h] for h in range(len(slots))]
-        self.shards = [None] * c.shards
+        # partition p is held by the actor behind `shards[p]`, in bundle `shard_slots[p][1]`
+        # of placement group `shard_slots[p][0]` (the shards' SPREAD group, or a slot of its
+        # own); the partitions are dealt round robin over the slots placed by now
+        self.shards, self.shard_slots = [None] * c.shards, [None] * c.shards
+        deal = [list(range(h, c.shards, len(slots))) for h in range(len(slots))]
         for slot, parts in zip(slots, deal, strict=True):
             host = self._new_host(parts, slot, f"tidegraph-shard-{parts[0]}")
             for q in parts:
@@ -571,9 +571,9 @@ class RayGroup:
         in the window that the trainers do not hold is sent again, in order, each with the
         updates of the step before: trainers apply a batch of updates once (numbered), so a
         survivor that applied them already skips them. The steps' results are bitwise the
-        fault-free run's. A trainer lost after its group's all-reduce took its slice's
-        node-state updates with it: that step cannot be completed (`NoReplicaLeft`: the
-        orchestrator restarts from the newest checkpoint)."""
+        fault-free run's. A step the group holds is answered for by any member that finished
+        it (each returns every slice's updates); with none left that answers, it cannot be
+        completed (`NoReplicaLeft`: the orchestrator restarts from the newest checkpoint)."""
         for _ in range(self.config.cluster.max_recoveries + 1):
             upto = next((i for i, s in enumerate(self._window) if s["pending"] is pending), None)
             if upto is None:
@@ -759,7 +759,7 @@ class RayGroup:
             self._top_up()
         draining = _draining_nodes()
         ranks = {w: n for w, n in enumerate(self._member_nodes()) if n in draining}
-        leaving = self._shard_leavers(draining)
+        leaving, drained = self._shard_leavers(draining)
         joining = self._shard_joiners_up(draining)
         moves = self._successors_up(draining)
         decision = plan_resize(self.num_trainers, self.target, len(self._joiners_up(draining)),
@@ -768,11 +768,9 @@ class RayGroup:
         if leaving or joining:
             why = [f"{len(joining)} shard actor{'s' if len(joining) > 1 else ''} up"] if joining \
                 else []  # fmt: skip
-            hosts = self._shard_hosts()
-            drained = [k for k in leaving if _slot_node(*hosts[k][1]) in draining]
             if drained:
-                why.append(f"{len(drained)} on draining nodes")
-            if len(leaving) > len(drained):
+                why.append(f"{drained} on draining nodes")
+            if len(leaving) > drained:
                 why.append(f"target {self.shard_target} shard actors")
             reshard = (joining, leaving, "; ".join(why))
         return decision, moves, self._replicas_up(), reshard
@@ -999,13 +997,14 @@ class RayGroup:
         self.drain()
         self._resize_if_due(force=True)
 
-    def _top_up_shards(self, have: int | None = None) -> None:
+    def _top_up_shards(self) -> None:
         """Keep a pending slot per shard actor the run lacks toward its target (Ray places
-        them as room appears, and a host starts in each); drop those beyond it. `have`:
-        the actors there are (default: those holding partitions)."""
-        have = len(self._shard_hosts()) if have is None else have
+        them as room appears, and a host starts in each); drop those beyond it. Before the
+        first actors start, the run has its minimum in the SPREAD group."""
+        started = bool(getattr(self, "shards", None))
+        have = len(self._shard_hosts()) if started else self.min_shards
         want = max(0, self.shard_target - have - len(self.shard_joiners))
-        free = self._free_bundles() if getattr(self, "shards", None) else []
+        free = self._free_bundles() if started else []
         while len(self.shard_spares) < want:  # bundles of the SPREAD group no actor uses first
             slot = (self.shard_pg, free.pop(0)) if free else \
                 (placement_group([{"CPU": self.config.cluster.shard_cpus}]), 0)  # fmt: skip
@@ -1050,21 +1049,23 @@ class RayGroup:
         self._top_up_shards()
         return up
 
-    def _shard_leavers(self, draining) -> list[str]:
+    def _shard_leavers(self, draining) -> tuple[list[str], int]:
         """Hosts that should hand their partitions over now: those on draining nodes (while
-        a host elsewhere can take them), then the newest beyond the wanted count."""
+        a host elsewhere can take them), then the newest beyond the wanted count; and how
+        many of them are draining."""
         hosts = self._shard_hosts()
         nodes = {key: _slot_node(*slot) for key, (_, slot, _) in hosts.items()}
         leave = [key for key in hosts if nodes[key] in draining]
         if len(leave) == len(hosts):  # nowhere to go: successors start (`_successors_up`)
             leave = []
+        drained = len(leave)
         stay = [key for key in hosts if key not in leave]
         extra = len(stay) - self.shard_target
         if extra > 0:  # own slots first (the SPREAD group's bundles stay reserved), fewest parts
             order = sorted(stay, key=lambda k: (hosts[k][1][0] is self.shard_pg,
                                                 len(hosts[k][2])))  # fmt: skip
             leave += order[:extra]
-        return leave
+        return leave, drained
 
     def _reshard(self, joining: list[tuple], leaving: list[str], reason: str, at: str) -> None:
         """Move partitions so that hosts `leaving` hold none and `joining` ones (slot, actor)
