@@ -53,9 +53,8 @@ _EAGER_BLOCK = 1 << 16  # values per eager block: its ~15 passes stay in L2
 _COMPILED_BLOCK = 1 << 20  # compiled: a block's second read (after the range) hits cache
 
 
-def _uniform16(rows: int, cols: int, key: torch.Tensor, device) -> torch.Tensor:
-    """fp32 [rows, cols] in (0, 1): (r + 1/2) / 2^16, r the hash of each value's index."""
-    idx = torch.arange(rows * cols, device=device, dtype=torch.int64).view(rows, cols)
+def _uniform16(idx: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """fp32 of `idx`'s shape in (0, 1): (r + 1/2) / 2^16, r the hash of each value's index."""
     h = ((idx + key[0]) & _M32) * _A & _M32
     h = h ^ (h >> 15) ^ key[1]
     h = ((h * _B) & _M32) >> 16
@@ -79,7 +78,9 @@ def unpack_rows(packed: torch.Tensor, bits: int) -> torch.Tensor:
     if bits == 8:
         return packed
     mask = (1 << bits) - 1
-    return torch.cat([(packed >> (k * bits)) & mask for k in range(8 // bits)], dim=1)
+    planes = [(packed >> (k * bits)) & mask for k in range(8 // bits)]
+    # stacked then viewed, not concatenated: the same layout, and inductor vectorizes it
+    return torch.stack(planes, dim=1).view(packed.shape[0], -1)
 
 
 def _encode(chunks: torch.Tensor, key: torch.Tensor, bits: int):
@@ -87,11 +88,22 @@ def _encode(chunks: torch.Tensor, key: torch.Tensor, bits: int):
     mins, maxs = chunks.amin(dim=1), chunks.amax(dim=1)
     scales = (maxs - mins) * (1.0 / levels)
     inv = torch.where(scales > 0, 1.0 / scales, 0.0)
-    v = (chunks - mins[:, None]) * inv[:, None]  # >= 0: a nonnegative difference stays >= 0
-    v = v + _uniform16(chunks.shape[0], chunks.shape[1], key, chunks.device)
-    # floor(v + u): up with probability frac(v); clamp: never spill into the next field
-    codes = v.floor().clamp(max=levels).to(torch.uint8)
-    return pack_rows(codes, bits), mins, scales
+    # one plane at a time (see pack_rows): each plane's codes go straight into the packed
+    # byte, so the compiled kernel keeps no buffer of unpacked codes
+    R, S = chunks.shape
+    per = 8 // bits
+    width = S // per
+    row = torch.arange(R, device=chunks.device, dtype=torch.int64)[:, None] * S
+    col = torch.arange(width, device=chunks.device, dtype=torch.int64)[None, :]
+    packed = None
+    for k in range(per):
+        plane = chunks[:, k * width : (k + 1) * width]
+        v = (plane - mins[:, None]) * inv[:, None]  # >= 0: a nonnegative difference stays >= 0
+        v = v + _uniform16(row + (col + k * width), key)
+        # floor(v + u): up with probability frac(v); clamp: never spill into the next field
+        codes = v.floor().clamp(max=levels).to(torch.uint8)
+        packed = codes if k == 0 else packed | (codes << (k * bits))
+    return packed, mins, scales
 
 
 def _decoded(packed, mins, scales, bits: int) -> torch.Tensor:
