@@ -7,6 +7,7 @@ compressed run must hold the same parameters (they decode the same bytes).
 """
 
 import copy
+import json
 import sys
 from pathlib import Path
 
@@ -134,6 +135,27 @@ def test_local_checkpoint_of_adaptive_bits_and_feedback_resumes_bitwise(wiki):
     assert first.summary()["comm"] == second.summary()["comm"]
 
 
+def test_adaptive_bits_per_bucket_are_written_to_metrics_jsonl_when_they_change(wiki, tmp_path):
+    cfg = config(compression="adaptive", adaptive_every=3, warmup_steps=2, min_bucket_bytes=0,
+                 chunk_size=64, bucket_bytes=16_384, adaptive_lambda=0.05)  # fmt: skip
+    cfg.out_dir = str(tmp_path)
+    learner = learner_for(cfg, wiki)
+    try:
+        learner.run_phase1()
+        while not learner.done:
+            learner.step()
+        summary = learner.summary()
+    finally:
+        learner.group.shutdown()
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    records = [r for r in map(json.loads, lines) if r["phase"] == "comm_bits"]
+    assert records and records[-1]["bits"] == summary["comm"]["last_bits"]
+    assert len(records[-1]["bits"]) > 1 and {8, 32} & set(records[-1]["bits"])
+    changes = zip(records, records[1:], strict=False)
+    assert all(a["bits"] != b["bits"] for a, b in changes)  # written when they change only
+    assert [r["steps"] for r in records] == sorted(r["steps"] for r in records)
+
+
 def test_another_ranks_state_keeps_the_shared_part_and_drops_the_residuals():
     cfg = CommConfig(compression="q4", error_feedback=True, min_bucket_bytes=0, chunk_size=64)
     owner = GradSync(cfg, seed=0, rank=1)
@@ -242,10 +264,13 @@ def test_prometheus_allreduce_bytes_count_what_compression_sent(wiki):
             group = orchestrator.learner.group
             sent[name] = metrics.registry.get_sample_value("tidegraph_allreduce_bytes_total")
             totals = group.comm_totals()
+            bits = metrics.registry.get_sample_value("tidegraph_allreduce_bucket_bits",
+                                                     {"bucket": "0"})  # fmt: skip
             if name == "q8":
                 assert totals is not None and sent[name] == totals["bytes_sent"]
+                assert bits == 8 and totals["last_bits"] == [8]
             else:
-                assert totals is None
+                assert totals is None and bits is None
                 steps = orchestrator.learner.cursor.step
                 assert sent[name] == steps * group.grad_values() * 4 * 2 * (2 - 1) / 2
         finally:

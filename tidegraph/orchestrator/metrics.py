@@ -8,6 +8,8 @@ Names (all prefixed `tidegraph_`):
 - `allreduce_bytes_total`: gradient bytes each trainer sent: with compression (`comm:`) what
   trainer 0 counted on the wire, else a ring all-reduce's 2 (W-1)/W of the fp32 gradient per
   step;
+- `allreduce_bucket_bits{bucket}`: with compression, the bits each gradient bucket was last
+  sent with (trainer 0's; 32: exact, 0: top-k), so adaptive decisions can be followed;
 - `feature_cache_hit_rate`: trainer 0's edge-feature cache;
 - `increment_ap`, `increment_mrr`: metrics of the latest increment; `increments_total`;
 - `trainers_alive`, `shards_alive`: actors the GCS reports alive at the last update;
@@ -42,6 +44,8 @@ class RunMetrics:
                                ["phase"], registry=r)  # fmt: skip
         self.bytes = Counter("tidegraph_allreduce_bytes", "gradient bytes sent per trainer",
                              registry=r)  # fmt: skip
+        self.bucket_bits = Gauge("tidegraph_allreduce_bucket_bits", "bits each gradient "
+                                 "bucket was last sent with", ["bucket"], registry=r)  # fmt: skip
         self.hit_rate = Gauge("tidegraph_feature_cache_hit_rate", "edge-feature cache hit rate",
                               registry=r)  # fmt: skip
         self.ap = Gauge("tidegraph_increment_ap", "AP of the latest increment", registry=r)
@@ -97,6 +101,8 @@ class RunMetrics:
         if comm is not None:  # counted on the wire (a resumed run's totals start again)
             self.bytes.inc(max(0, comm["bytes_sent"] - self._sent))
             self._sent = comm["bytes_sent"]
+            for bucket, bits in enumerate(comm.get("last_bits") or ()):
+                self.bucket_bits.labels(str(bucket)).set(bits)
         else:
             ring = 2 * (group.num_trainers - 1) / group.num_trainers
             self.bytes.inc(steps * grad_values * 4 * ring)

@@ -107,6 +107,7 @@ class ContinualLearner:
         self.history: list[dict] = []
         self.rebatches: list[tuple[int, int]] = []  # (unit, train batch): `_follow_batch`
         self._membership_seen: dict[str, int] = {}  # resizes, recoveries written so far
+        self._comm_bits: list[int] | None = None  # gradient buckets' bits last written
 
     # replica 0's pieces (all replicas are identical after every step)
     @property
@@ -570,7 +571,7 @@ class ContinualLearner:
         self.history.append(record)
         if record.get("phase") == "increment":
             log.info("increment %d: %s", record["increment"] + 1, _fmt(record))
-        self._write([*self._membership_records(), record])
+        self._write([*self._membership_records(), *self._comm_records(), record])
 
     def _membership_records(self) -> list[dict]:
         """The group's resizes, recoveries, shard moves and changes of the shard-actor count
@@ -586,6 +587,20 @@ class ContinualLearner:
             out += [{"phase": kind, **e} for e in events[seen:]]
             self._membership_seen[kind] = len(events)
         return out
+
+    def _comm_records(self) -> list[dict]:
+        """With gradient compression, a metrics.jsonl record of phase "comm_bits" whenever the
+        bits per gradient bucket changed since the last record (adaptive decisions; 32: sent
+        exact, 0: top-k), with trainer 0's steps and bytes ratio so far."""
+        if self.config.comm.compression == "none":
+            return []
+        totals = self.group.comm_totals()
+        bits = list(totals["last_bits"]) if totals else []
+        if not bits or bits == self._comm_bits:
+            return []
+        self._comm_bits = bits
+        keep = ("steps", "compressed_steps", "ratio")
+        return [{"phase": "comm_bits", "bits": bits, **{k: totals[k] for k in keep}}]
 
     def _write(self, records: list[dict]) -> None:
         if self.config.out_dir:
