@@ -67,6 +67,7 @@ from tidegraph import rng
 from tidegraph.comm.config import CommConfig
 from tidegraph.comm.quantize import (
     ErrorFeedback,
+    _key,
     _pad_to,
     dequantize_chunks,
     dequantize_into,
@@ -81,6 +82,7 @@ __all__ = [
     "CommStats",
     "DDPHookState",
     "Loopback",
+    "OverlapRound",
     "QuantizedAllReduce",
     "allreduce_in_process_",
     "choose_bits",
@@ -331,7 +333,9 @@ class _Exchange:
     def __init__(self, red, comp: torch.Tensor, stages: list[_Stage], average: bool, step: int):
         self.red, self.comp, self.stages, self.average = red, comp, stages, average
         self.cfg, self.device = red.config, comp.device
-        self.worker_gen = red._generator(self.device, step)
+        # one key per bucket, drawn in bucket order whatever order the stages are sent in
+        worker_gen = red._generator(self.device, step)
+        self.keys = {b.lo: _key(worker_gen, self.device) for s in stages for b, _, _ in s.columns}
         self.owner_gen = red._generator(self.device, step, "owner")
         self.sent: list[torch.Tensor] = []
         self.received: list[_Pending] = []
@@ -353,8 +357,8 @@ class _Exchange:
             try:
                 for b, o, w in stage.columns:
                     x = self.comp[b.at : b.at + b.n]  # padded to W segments of whole chunks
-                    codes = quantize_flat(x, W * b.seg // S, S, b.bits, self.worker_gen,
-                                          self.cfg.codec)  # fmt: skip
+                    codes = quantize_flat(x, W * b.seg // S, S, b.bits, key=self.keys[b.lo],
+                                          codec=self.cfg.codec)  # fmt: skip
                     _check_summable(codes, b.bits, W)
                     _frame(send[:, o : o + w], codes)
             except ValueError as e:  # non-finite values: every rank will raise, none hangs
@@ -488,6 +492,16 @@ class QuantizedAllReduce:
         stats.bits = tuple(bits)
         return stats
 
+    def begin(self, flat: torch.Tensor, step: int, average: bool = False) -> OverlapRound:
+        """Start `allreduce_(flat, step, average)` while `flat` is still being written: the
+        caller says when each tensor of `sizes` holds its final values (`OverlapRound.ready`,
+        typically from a gradient hook during backward), buckets leave as soon as they are
+        complete, and `OverlapRound.finish()` sends the rest and returns what `allreduce_`
+        would: the same values, bit for bit (codes, rounding and sums do not depend on when a
+        bucket leaves). Steps that need the whole tensor first (a due adaptive decision,
+        top-k, error feedback) or a group of one send everything at `finish`."""
+        return OverlapRound(self, flat, step, average)
+
     # -- buckets and bit widths ------------------------------------------------------------
 
     def _plan(self, flat: torch.Tensor) -> list[tuple[int, int]]:
@@ -547,6 +561,17 @@ class QuantizedAllReduce:
             return _Pending(None, out.reshape(self.world, -1))
         work = _all_gather(out, piece, group=self.group, async_op=True)
         return _Pending(work, out.reshape(self.world, -1))
+
+    def _cached_bits(self, n_buckets: int, step: int) -> list[int] | None:
+        """The bits of `n_buckets` compressed buckets at `step` when known without looking at
+        the values (fixed bits, or adaptive ones not due for a decision), else None."""
+        cfg = self.config
+        if cfg.fixed_bits is not None:
+            return [cfg.fixed_bits] * n_buckets
+        due = self._decided_at is None or step - self._decided_at >= cfg.adaptive_every
+        if self._bits is not None and len(self._bits) == n_buckets and not due:
+            return list(self._bits)
+        return None
 
     def _bits_for(self, flat, ranges, step: int) -> tuple[list[int], bool, int]:
         """(bits per bucket, re-decided now, bytes the decision sent)."""
@@ -617,14 +642,21 @@ class QuantizedAllReduce:
             at += hi - lo
         stages = _stages(buckets, S, cfg.pipeline_stages)
         ex = _Exchange(self, comp, stages, average, step)
-        # encode every stage, each sent to its owners at once (the link is the slower part);
-        # then say whether all encoded: once no rank failed, no later step can (workers
-        # refuse magnitudes whose sum could overflow), so gathered stages may be decoded into
-        # `flat` as they arrive, not after the last one. Collectives start in the same order
-        # on every rank (gloo matches them by order), whatever arrives when.
-        gathers: list[_Pending] = []
+        # encode every stage, each sent to its owners at once (the link is the slower part)
         for stage in stages:
             ex.send_stage(stage)
+        return self._complete(ex, flat, step)
+
+    def _complete(self, ex: _Exchange, flat: torch.Tensor, step: int) -> int:
+        """The rest of a compressed exchange whose stages were all sent: say whether every
+        rank encoded (once no rank failed, no later step can: workers refuse magnitudes whose
+        sum could overflow, so gathered stages may be decoded into `flat` as they arrive, not
+        after the last one), owners' sums, gathers and decoding. Collectives start in the
+        same order on every rank (gloo matches them by order), whatever arrives when.
+        Returns the bytes this rank sent."""
+        cfg, W, S = self.config, self.world, self.config.chunk_size
+        stages, comp = ex.stages, ex.comp
+        gathers: list[_Pending] = []
         flags = self._start_flags(ex.worker_flag, comp.device) if len(stages) > 1 else None
         done, ready = 0, False  # stages decoded into `flat`; no stage can fail any more
         decoded_own: list[torch.Tensor] = []
@@ -722,6 +754,143 @@ class QuantizedAllReduce:
         self._bits, self._decided_at = state["bits"], state["decided_at"]
         self._worker_fb.load_state_dict(state["worker_feedback"])
         self._owner_fb.load_state_dict(state["owner_feedback"])
+
+
+class OverlapRound:
+    """One step's all-reduce of a flat tensor whose tensors become final one by one (see
+    `QuantizedAllReduce.begin`).
+
+    Units are the step's messages: each exact bucket (an fp32 all-reduce of a copy, written
+    back at `finish` so that a compressed bucket that raises still leaves `flat` unchanged)
+    and each compressed bucket (its stage of the two-way exchange: encoded and sent to its
+    owners). Units leave in one fixed order, the last bucket first (backward produces the
+    last tensors' gradients first), each once its tensors are ready and every unit before it
+    has left: gloo matches collectives by the order they are issued, and a rank with nothing
+    to compute (an empty slice) issues them all at `finish`, in that same order. Owners'
+    sums, gathers and decoding run at `finish`, bucket order, as `allreduce_` does.
+    """
+
+    def __init__(self, red: QuantizedAllReduce, flat: torch.Tensor, step: int, average: bool):
+        if flat.dim() != 1 or not flat.is_contiguous():
+            raise ValueError("QuantizedAllReduce: expected a contiguous 1-D tensor")
+        self.red, self.flat, self.step, self.average = red, flat, step, average
+        self.units: list[tuple[str, object]] = []  # ("exact", (lo, hi)) / ("stage", _Stage)
+        self.left = 0  # units sent
+        self.done = False
+        cfg, W = red.config, red.world
+        ranges = red._plan(flat) if W > 1 else []
+        compress = cfg.compression != "none" and step >= cfg.warmup_steps
+        chosen = [i for i, (lo, hi) in enumerate(ranges)
+                  if compress and hi > lo and (hi - lo) * 4 >= cfg.min_bucket_bytes]  # fmt: skip
+        bits = None
+        if chosen and cfg.compression != "topk" and not cfg.error_feedback:
+            bits = red._cached_bits(len(chosen), step)
+        self.deferred = W == 1 or (bool(chosen) and bits is None)
+        if self.deferred:
+            return
+        self.ranges, self.chosen = ranges, chosen
+        picked = set(chosen)
+        self.exact = [r for i, r in enumerate(ranges) if i not in picked]
+        self.bits = [EXACT_BITS] * len(ranges)
+        self.ex: _Exchange | None = None
+        self.copies: dict[int, tuple[torch.Tensor, _Pending]] = {}
+        units: list[tuple[int, str, object]] = [(lo, "exact", (lo, hi)) for lo, hi in self.exact]
+        if chosen:
+            S, at, buckets = cfg.chunk_size, 0, []
+            for i, bb in zip(chosen, bits, strict=True):
+                lo, hi = ranges[i]
+                buckets.append(_Bucket(lo, hi, at, -(-(hi - lo) // (W * S)) * S, bb))
+                self.bits[i] = bb
+                at += hi - lo
+            stages = [_Stage(((b, 0, _row_bytes(b.seg, S, b.bits)),),
+                             _row_bytes(b.seg, S, b.bits)) for b in buckets]  # fmt: skip
+            adjacent = all(a.hi == b.lo for a, b in zip(buckets[:-1], buckets[1:], strict=True))
+            # a view when the compressed buckets are one run of `flat` (read before any write),
+            # else each bucket is copied in as it leaves
+            comp = flat[buckets[0].lo : buckets[-1].hi] if adjacent else flat.new_empty(at)
+            self.ex = _Exchange(red, comp, stages, average, step)
+            self.comp_is_view = adjacent
+            units += [(st.columns[0][0].lo, "stage", st) for st in stages]
+        units.sort(key=lambda u: -u[0])
+        self.units = [(kind, what) for _, kind, what in units]
+        # tensors (of `sizes`) each unit waits for
+        sizes = red.sizes if red.sizes and sum(red.sizes) == flat.numel() else [flat.numel()]
+        starts = _starts(sizes)
+        self.waiting: list[int] = []
+        self.unit_of: list[list[int]] = [[] for _ in sizes]
+        for u, (kind, what) in enumerate(self.units):
+            lo, hi = what if kind == "exact" else (what.columns[0][0].lo, what.columns[0][0].hi)
+            mine = [t for t, (a, n) in enumerate(zip(starts, sizes, strict=True))
+                    if n and a < hi and a + n > lo]  # fmt: skip
+            for t in mine:
+                self.unit_of[t].append(u)
+            self.waiting.append(len(mine))
+        self.seen = [False] * len(sizes)
+
+    def ready(self, tensor: int) -> None:
+        """Tensor `tensor` (an index into `sizes`) holds its final values; send what can go.
+        A tensor said ready twice counts once."""
+        if self.deferred or self.done or self.seen[tensor]:
+            return
+        self.seen[tensor] = True
+        for u in self.unit_of[tensor]:
+            self.waiting[u] -= 1
+        while self.left < len(self.units) and self.waiting[self.left] == 0:
+            self._send(self.left)
+
+    def _send(self, u: int) -> None:
+        kind, what = self.units[u]
+        self.left = u + 1
+        red, flat = self.red, self.flat
+        if kind == "exact":
+            lo, hi = what
+            # in place when nothing is compressed (no exchange can fail on a value after it)
+            buf = flat[lo:hi] if self.ex is None else flat[lo:hi].clone()
+            work = None if red.ops is not None else dist.all_reduce(buf, group=red.group,
+                                                                    async_op=True)  # fmt: skip
+            if red.ops is not None:
+                red.ops.all_reduce(buf)
+            self.copies[lo] = (buf, _Pending(work, buf))
+            return
+        b = what.columns[0][0]
+        if not self.comp_is_view:
+            self.ex.comp[b.at : b.at + b.n].copy_(flat[b.lo : b.hi])
+        self.ex.send_stage(what)
+
+    def finish(self) -> CommStats:
+        """Send what has not left, complete every message, and replace `flat` by the sum (mean
+        with `average`): `allreduce_`'s result and stats."""
+        if self.done:
+            raise RuntimeError("OverlapRound.finish: called twice")
+        self.done = True
+        red, flat, step = self.red, self.flat, self.step
+        if self.deferred:
+            return red.allreduce_(flat, step, self.average)
+        cfg = red.config
+        stats = CommStats(step, cfg.compression, 0, _ring_bytes(flat.numel() * 4, red.world))
+        for u in range(self.left, len(self.units)):
+            self._send(u)
+        if self.ex is not None:
+            # the exchange's stages were sent in unit order; owners go in bucket order, and
+            # `_complete` reads them in the order of `ex.stages` and `ex.sent`
+            ex = self.ex
+            sent_in = {id(st): k for k, st in enumerate(st for kind, st in self.units
+                                                        if kind == "stage")}  # fmt: skip
+            at = [sent_in[id(st)] for st in ex.stages]  # ex.stages: bucket order
+            ex.sent = [ex.sent[k] for k in at]
+            ex.received = [ex.received[k] for k in at]
+            stats.bytes_sent += red._complete(ex, flat, step)
+        for lo, hi in self.exact:  # exact buckets last: a compressed one that raised left
+            buf, pending = self.copies[lo]  # `flat` as it was
+            pending.wait()
+            if self.average:
+                buf.div_(red.world)
+            if self.ex is not None:
+                flat[lo:hi].copy_(buf)
+        if self.exact:
+            stats.bytes_sent += _ring_bytes(sum(hi - lo for lo, hi in self.exact) * 4, red.world)
+        stats.bits = tuple(self.bits)
+        return stats
 
 
 _OWNER_FLAG = 255  # an owner could not encode its sum (a range beyond fp32)

@@ -180,12 +180,15 @@ def quantize_flat(
     bits: int,
     generator: torch.Generator | None = None,
     codec: str = "auto",
+    key: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`quantize_chunks` of 1-D fp32 `x` padded to `n_chunks` chunks (`_pad_to`), the same
-    codes, without copying the whole chunks: only the last, padded ones are."""
+    codes, without copying the whole chunks: only the last, padded ones are. `key`: the
+    call's random key drawn beforehand (`_key`), instead of one drawn from `generator`."""
     _check_bits(bits)
     S = chunk_size
-    key = _key(generator, x.device)
+    if key is None:
+        key = _key(generator, x.device)
     full = min(x.numel() // S, n_chunks)
     parts = []
     if full:
