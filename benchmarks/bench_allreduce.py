@@ -17,6 +17,12 @@ Three parts, each run once:
    Namespaces (`tgq14a`, `tgq14b`) are made by this script and deleted by name in `finally`;
    it refuses to run if they already exist. Needs root.
 
+4. `--overlap` (alone): W = 2 training steps of an MLP (8 Linear(1024) layers, 8.4M
+   parameters, FlatAdam, batch 32 per rank) on loopback and over each --rates link: compute
+   only, then fp32 and q8 with the all-reduce after backward, overlapped with it (buckets
+   leave from the gradient hooks, `QuantizedAllReduce.begin`), and overlapped with buckets
+   from the link cost model (MG-WFBP) instead of fixed 4 MiB ones.
+
 The input is Gaussian with a scale falling from 1 to 1e-3 along the tensor (so adaptive bits
 have something to decide); every rank draws its own. Adaptive bits decide on the untimed call.
 
@@ -24,6 +30,7 @@ have something to decide); every rank draws its own. Adaptive bits decide on the
     python benchmarks/bench_allreduce.py --no-netns --sizes 1000000
     python benchmarks/bench_allreduce.py --sizes 100000000 --worlds --rates 1gbit --reps 1 \
         --compressions none q8 q4 --no-codec --no-buckets --out allreduce_100m.json
+    python benchmarks/bench_allreduce.py --overlap --rates 1gbit --reps 5 --out overlap.json
 JSON goes to benchmarks/out/allreduce.json (or --out).
 """
 
@@ -66,6 +73,7 @@ VETH = ("tgq14va", "tgq14vb")
 ADDR = ("10.231.14.1", "10.231.14.2")
 # a model-like gradient: one large embedding-sized tensor and many layers
 MODEL_SIZES = [1_000_000] + [40_000] * 20 + [2_000] * 40 + [64] * 40
+OVERLAP_LAYERS, OVERLAP_WIDTH = 8, 1024  # part 4's MLP: 8.4M parameters
 TIMEOUT = datetime.timedelta(seconds=120)
 
 
@@ -152,7 +160,7 @@ def worker(args) -> None:
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=TIMEOUT)
     rows = []
     try:
-        for n in args.sizes:
+        for n in [] if args.overlap else args.sizes:
             x = _input(n, rank)
             for (name, extra), stages in itertools.product(COMPRESSIONS, args.stages):
                 if name not in args.compressions or (name in ("none", "topk") and stages > 1):
@@ -177,6 +185,8 @@ def worker(args) -> None:
                 })  # fmt: skip
         if args.buckets:
             rows.extend(_bucket_rows(args, rank, world))
+        if args.overlap:
+            rows.extend(_overlap_rows(args, rank, world))
     finally:
         dist.destroy_process_group()
     if rank == 0:
@@ -217,6 +227,74 @@ def _bucket_rows(args, rank: int, world: int) -> list[dict]:
     return rows
 
 
+def _overlap_rows(args, rank: int, world: int) -> list[dict]:
+    """Training steps of an MLP (OVERLAP_LAYERS Linear(OVERLAP_WIDTH) layers, FlatAdam, batch
+    32 per rank): forward, backward, all-reduce, optimizer; the all-reduce after backward or
+    overlapped with it (buckets sent from the parameters' gradient hooks), fp32 and q8,
+    fixed 4 MiB buckets or the link cost model. `compute` is the step without any exchange.
+    Every variant gives bitwise the same parameters with and without overlap."""
+    from torch import nn
+
+    from tidegraph.training.optim import FlatAdam
+
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(OVERLAP_LAYERS):
+        layers += [nn.Linear(OVERLAP_WIDTH, OVERLAP_WIDTH), nn.Tanh()]
+    model = nn.Sequential(*layers)
+    opt = FlatAdam(model.parameters(), lr=1e-5)
+    live: dict = {"round": None}
+
+    def final(index: int, _param) -> None:
+        if live["round"] is not None:
+            live["round"].ready(index)
+
+    import functools
+
+    for i, p in enumerate(model.parameters()):
+        p.register_post_accumulate_grad_hook(functools.partial(final, i))
+    x = torch.randn(32, OVERLAP_WIDTH, generator=torch.Generator().manual_seed(rank))
+    alpha = _message_latency(rank, world, args)
+    base = {"warmup_steps": 0, "codec": args.codec}
+    cost = {"bucketing": "cost_model", "link_bandwidth_gbps": args.link_gbps,
+            "link_latency_s": alpha}  # fmt: skip
+    plans = [("compute", None, False)]
+    for name in ("none", "q8"):
+        plans += [(f"{name} 4 MiB", CommConfig(compression=name, **base), False),
+                  (f"{name} 4 MiB", CommConfig(compression=name, **base), True),
+                  (f"{name} cost model", CommConfig(compression=name, **base, **cost),
+                   True)]  # fmt: skip
+    rows = []
+    for label, cfg, overlap in plans:
+        red = None if cfg is None else QuantizedAllReduce(cfg, None, rank, world, seed=0,
+                                                          sizes=opt.sizes)  # fmt: skip
+        counter = iter(range(10**6))
+        early = []
+
+        def step(red=red, overlap=overlap, counter=counter, early=early):
+            k = next(counter)
+            opt.zero_grad()
+            loss = model(x).square().mean()
+            if red is not None and overlap:
+                live["round"] = red.begin(opt.flat_grad, k, average=True)
+            loss.backward()
+            if red is not None and overlap:
+                early.append(live["round"].finish().early)
+                live["round"] = None
+            elif red is not None:
+                red.allreduce_(opt.flat_grad, k, average=True)
+            opt.step()
+
+        seconds, wire = _timed(step, args.reps, args.iface)
+        rows.append({
+            "W": world, "step": label, "overlap": overlap, "ms": seconds * 1e3,
+            "buckets": 0 if red is None else len(red.buckets),
+            "sent_in_backward": early[-1] if early else 0, "wire_bytes": wire,
+            "gradient_MB": opt.flat.numel() * 4 / 1e6,
+        })  # fmt: skip
+    return rows
+
+
 def _message_latency(rank: int, world: int, args) -> float:
     """The cost model's alpha, measured: seconds of one quantized exchange of one chunk (two
     collectives and the codec's fixed work), the same on every rank (rank 0's, broadcast)."""
@@ -242,6 +320,7 @@ def _run_ranks(
     timeout_s: float,
     compressions: list[str],
     extra: list[str],
+    overlap: bool = False,
 ) -> list[dict]:
     port = 29614 if netns else _free_port()
     master = ADDR[0] if netns else "127.0.0.1"
@@ -253,6 +332,8 @@ def _run_ranks(
                "--compressions", *compressions, *extra]  # fmt: skip
         if buckets:
             cmd.append("--buckets")
+        if overlap:
+            cmd.append("--overlap")
         if netns:
             cmd = ["ip", "netns", "exec", NS[rank], *cmd, "--iface", VETH[rank]]
         else:
@@ -311,6 +392,36 @@ def _drop_link() -> None:
         subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
 
 
+def _overlap_main(args, payload: dict) -> None:
+    """Part 4: W = 2 training steps on loopback and over each rate of --rates."""
+    extra = ["--codec", args.codec]
+    payload["overlap"] = {"loopback": _run_ranks(2, [0], args.reps, False, False, 10.0, 1800,
+                                                 ["none"], extra, overlap=True)}  # fmt: skip
+    print("-- W = 2, loopback")
+    print_table(payload["overlap"]["loopback"])
+    try:
+        if args.rates and not args.no_netns:
+            _make_link()
+        for rate in args.rates if not args.no_netns else []:
+            _set_rate(rate)
+            gbps = _gbps(rate)
+            rows = _run_ranks(2, [0], args.reps, True, False, gbps, 1800, ["none"], extra,
+                              overlap=True)  # fmt: skip
+            payload["overlap"][rate] = rows
+            print(f"-- W = 2 over veth at {rate}")
+            print_table(rows)
+    finally:
+        if args.rates and not args.no_netns:
+            _drop_link()
+    print("wrote", write_json(args.out, payload))
+
+
+def _gbps(rate: str) -> float:
+    if rate.endswith("gbit"):
+        return float(rate.removesuffix("gbit"))
+    return float(rate.removesuffix("mbit")) / 1000
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=[1_000_000, 8_000_000])
@@ -341,12 +452,18 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--iface", default=None)
     ap.add_argument("--buckets", action="store_true")
+    ap.add_argument("--overlap", action="store_true",
+                    help="part 4 only: training steps with the all-reduce after or during "
+                         "backward (loopback and --rates)")  # fmt: skip
     ap.add_argument("--link-gbps", type=float, default=10.0)
     args = ap.parse_args()
     if args.worker:
         worker(args)
         return
     payload: dict = {"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d")}
+    if args.overlap:
+        _overlap_main(args, payload)
+        return
     if not args.no_codec:
         payload["codec"] = codec_throughput(args.codec_size, args.reps, args.codecs)
         print_table(payload["codec"])
@@ -364,8 +481,7 @@ def main() -> None:
             _make_link()
             for rate in args.rates:
                 _set_rate(rate)
-                gbps = float(rate.removesuffix("gbit")) if rate.endswith("gbit") else (
-                    float(rate.removesuffix("mbit")) / 1000)  # fmt: skip
+                gbps = _gbps(rate)
                 sizes = args.sizes if gbps >= 1 else [min(args.sizes)]
                 rows = _run_ranks(2, sizes, 1 if gbps < 1 else args.reps, True,
                                   gbps >= 1 and not args.no_buckets, gbps, 1800,

@@ -246,6 +246,28 @@ def test_ray_q8_replicas_agree_match_the_local_group_and_send_a_quarter(ray_sess
         assert abs(a - b) < 0.02
 
 
+def test_ray_overlapped_buckets_match_the_local_group_bitwise(ray_session, wiki):
+    """`comm.overlap`: buckets leave during backward (from the parameters' gradient hooks);
+    two trainer actors end bitwise as the in-process group, which sends nothing early, for
+    compressed buckets (q4 and exact ones mixed, adaptive bits re-decided) and for fp32."""
+    cases = {
+        "adaptive": dict(compression="adaptive", warmup_steps=3, adaptive_every=7,
+                         min_bucket_bytes=4096, chunk_size=64, bucket_bytes=16_384),
+        "none": dict(compression="none", bucket_bytes=16_384),
+    }  # fmt: skip
+    for name, comm in cases.items():
+        remote = run(config("ray", overlap=True, **comm), wiki)
+        local = run(config("local", **comm), wiki)
+        assert same_state(remote[3][0], remote[3][1]), name
+        assert same_state(local[0], remote[0]) and same_history(local[1], remote[1]), name
+        record = remote[2]["comm"]
+        assert record["buckets_sent_in_backward"] > record["steps"] > 0, (name, record)
+        assert len(record["last_bits"]) > 2, record  # several buckets
+        if name == "adaptive":
+            assert local[2]["comm"]["last_bits"] == record["last_bits"]
+            assert record["compressed_steps"] > 0
+
+
 def test_prometheus_allreduce_bytes_count_what_compression_sent(wiki):
     """`tidegraph_allreduce_bytes_total` is trainer 0's bytes on the wire when gradients are
     compressed (not the fp32 estimate), and the fp32 ring estimate without compression."""

@@ -59,6 +59,33 @@ def test_a_trainer_dying_in_a_step_is_replaced_from_a_replica_bitwise(
     assert_same_run(got, fault_free)
 
 
+def overlapped(faults=()) -> RunConfig:
+    """`config` with gradient buckets sent during backward (q8, some buckets exact)."""
+    cfg = config(faults)
+    comm = {"compression": "q8", "warmup_steps": 2, "min_bucket_bytes": 4096,
+            "chunk_size": 64, "bucket_bytes": 16_384, "overlap": True}  # fmt: skip
+    cfg.comm = RunConfig.from_dict({"comm": comm}).comm
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def overlapped_free(ray_session, wiki):
+    return run(overlapped(), wiki)
+
+
+@pytest.mark.parametrize("at", ["forward", "allreduce"])
+def test_a_trainer_dying_while_its_buckets_are_under_way_is_replaced_bitwise(
+    ray_session, wiki, overlapped_free, at
+):
+    """`comm.overlap`: gradient buckets leave during backward, so a trainer dying before its
+    backward or at its all-reduce leaves its peer inside collectives already started; the
+    recovered run ends as the fault-free one of the same config."""
+    got = run(overlapped([{"trainer": 1, "step": 3, "at": at}]), wiki)
+    (event,) = got["recoveries"]
+    assert event["lost"] == [1]
+    assert_same_run(got, overlapped_free)
+
+
 def test_two_failures_in_a_row_the_second_of_a_replacement_source(ray_session, wiki, fault_free):
     faults = [
         {"trainer": 1, "step": 2, "at": "forward"},

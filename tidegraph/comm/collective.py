@@ -11,7 +11,8 @@ Backend: gloo on CPU, NCCL on CUDA tensors.
 Gradient compression (`comm:` in the run config): `allreduce_sum_` of a `GradientStep` (see
 `gradsync`) goes through the trainer's `GradSync` when `comm.compression` is not "none" and the
 group has more than one rank, through the exact fp32 all-reduce otherwise. Any other tensor is
-always summed exactly.
+always summed exactly. With `comm.overlap`, `begin_gradient` starts a step's gradient before
+backward and its buckets leave as their gradients become final (compressed or not).
 """
 
 from __future__ import annotations
@@ -93,6 +94,10 @@ class Collective:
         """`x` summed over the group in place; a `GradientStep`'s flat gradient compressed as
         `comm` says (its `sync` then holds the trainer's live `GradSync`). Returns `x`."""
         if isinstance(x, GradientStep):
+            if x.round is not None:  # begun during backward
+                x.sync.finish(x.round)
+                x.round = None
+                return x
             if compressing(self.comm, self.world):
                 x.sync = GradSync.restore(self.comm, self.seed, self.rank, x.sync)
                 x.sync.allreduce_(x.flat, x.step, x.sizes, self.group, self.world)
@@ -100,6 +105,16 @@ class Collective:
             self.allreduce_sum_(x.flat)
         elif self.group is not None:
             dist.all_reduce(x, op=dist.ReduceOp.SUM, group=self.group)
+        return x
+
+    def begin_gradient(self, x: GradientStep) -> GradientStep:
+        """With `comm.overlap` in a group of several: start `allreduce_sum_(x)` before `x`'s
+        gradient is computed; `x.round.ready(i)` once tensor i of `x.sizes` is final sends
+        what can go (see `QuantizedAllReduce.begin`), and `allreduce_sum_(x)` completes it,
+        bitwise as without overlap. Otherwise `x` unchanged. Issues no collective itself."""
+        if self.comm is not None and self.comm.overlap and self.group is not None:
+            x.sync = GradSync.restore(self.comm, self.seed, self.rank, x.sync)
+            x.round = x.sync.begin(x.flat, x.step, x.sizes, self.group, self.world)
         return x
 
     def gradient(

@@ -44,6 +44,10 @@ class CommConfig:
     # a compressed exchange is cut into at most this many messages of whole buckets, so that
     # encoding and decoding overlap the transfer (1: one message, no overlap)
     pipeline_stages: int = 8
+    # send each bucket during backward as soon as its gradients are final (DDP-style), not
+    # after backward; bitwise the same result. Adaptive decision steps, top-k and error
+    # feedback need the whole gradient first and send after backward.
+    overlap: bool = False
 
     def __post_init__(self) -> None:
         check_fields(self, "comm")

@@ -29,6 +29,7 @@ from tidegraph.comm.config import CommConfig
 from tidegraph.comm.qallreduce import (
     EXACT_BITS,
     CommStats,
+    OverlapRound,
     QuantizedAllReduce,
     allreduce_in_process_,
 )
@@ -55,6 +56,7 @@ class GradientStep:
     step: int
     sizes: Sequence[int] | None = None
     sync: GradSync | dict | None = None
+    round: OverlapRound | None = None  # sending since `Collective.begin_gradient`
 
 
 class GradSync:
@@ -69,6 +71,7 @@ class GradSync:
         self.bytes_sent = 0  # by this rank
         self.bytes_fp32 = 0  # what fp32 ring all-reduces of the same tensors send
         self.last_bits: tuple[int, ...] = ()
+        self.sent_early = 0  # buckets that left during backward (`comm.overlap`)
 
     @classmethod
     def restore(cls, config: CommConfig, seed: int, rank: int, state) -> GradSync:
@@ -93,10 +96,19 @@ class GradSync:
         self.bytes_sent += stats.bytes_sent
         self.bytes_fp32 += stats.bytes_fp32
         self.last_bits = tuple(stats.bits)
+        self.sent_early += stats.early
         return stats
 
     def allreduce_(self, flat: torch.Tensor, step: int, sizes, group, world: int) -> CommStats:
         return self.record(self.prepare(sizes, group, world).allreduce_(flat, step))
+
+    def begin(self, flat: torch.Tensor, step: int, sizes, group, world: int) -> OverlapRound:
+        """`allreduce_` sent bucket by bucket while `flat` is computed (see
+        `QuantizedAllReduce.begin`); `finish` completes it."""
+        return self.prepare(sizes, group, world).begin(flat, step)
+
+    def finish(self, round_: OverlapRound) -> CommStats:
+        return self.record(round_.finish())
 
     def totals(self) -> dict:
         return {
@@ -106,6 +118,7 @@ class GradSync:
             "bytes_fp32": self.bytes_fp32,
             "ratio": self.bytes_sent / self.bytes_fp32 if self.bytes_fp32 else 1.0,
             "last_bits": list(self.last_bits),
+            "buckets_sent_in_backward": self.sent_early,
         }
 
     def state_dict(self) -> dict:
@@ -129,6 +142,7 @@ class GradSync:
         self.calls, self.compressed_steps = t["steps"], t["compressed_steps"]
         self.bytes_sent, self.bytes_fp32 = t["bytes_sent"], t["bytes_fp32"]
         self.last_bits = tuple(t["last_bits"])
+        self.sent_early = t.get("buckets_sent_in_backward", 0)  # absent before overlap existed
 
 
 def reduce_in_process_(
@@ -155,7 +169,14 @@ def comm_record(config: CommConfig, state: dict | None) -> dict:
     out = {"config": dataclasses.asdict(config)}
     out["config"]["adaptive_bits"] = list(config.adaptive_bits)
     if state is None:
-        out.update(steps=None, bytes_sent=None, bytes_fp32=None, ratio=1.0, last_bits=[])
+        out.update(
+            steps=None,
+            bytes_sent=None,
+            bytes_fp32=None,
+            ratio=1.0,
+            last_bits=[],
+            buckets_sent_in_backward=0,
+        )
     else:
         out.update(state["totals"])
     return out

@@ -108,6 +108,7 @@ class CommStats:
     bytes_fp32: int  # what an fp32 ring all-reduce of the same tensor sends
     bits: tuple[int, ...] = field(default_factory=tuple)  # 32 exact, 8/4/2, 0 top-k
     decided: bool = False  # adaptive bits were re-decided this step
+    early: int = 0  # messages (buckets) that left before the tensor was complete (overlap)
 
     @property
     def ratio(self) -> float:
@@ -776,6 +777,7 @@ class OverlapRound:
         self.red, self.flat, self.step, self.average = red, flat, step, average
         self.units: list[tuple[str, object]] = []  # ("exact", (lo, hi)) / ("stage", _Stage)
         self.left = 0  # units sent
+        self.early = 0  # ... by `ready`, before `finish`
         self.done = False
         cfg, W = red.config, red.world
         ranges = red._plan(flat) if W > 1 else []
@@ -837,6 +839,7 @@ class OverlapRound:
             self.waiting[u] -= 1
         while self.left < len(self.units) and self.waiting[self.left] == 0:
             self._send(self.left)
+            self.early += 1
 
     def _send(self, u: int) -> None:
         kind, what = self.units[u]
@@ -890,6 +893,7 @@ class OverlapRound:
         if self.exact:
             stats.bytes_sent += _ring_bytes(sum(hi - lo for lo, hi in self.exact) * 4, red.world)
         stats.bits = tuple(self.bits)
+        stats.early = self.early
         return stats
 
 

@@ -16,6 +16,7 @@ Node state is read-only during a step: each slice reads what the previous step l
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import time
 from collections import defaultdict
@@ -99,6 +100,21 @@ class TrainerCore:
         # fused Adam over one flat buffer: one kernel and no per-parameter Python per step
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = FlatAdam(params, lr=self.config.train.lr)
+        self._hook_params(params)
+
+    def _hook_params(self, params: list) -> None:
+        """A hook per parameter (the optimizer's order) saying, during backward, that its
+        gradient is final: a step's gradient all-reduce under way (`comm.overlap`) sends
+        each bucket once its parameters are done."""
+        for handle in getattr(self, "_grad_hooks", []):
+            handle.remove()
+        self._round = None
+        self._grad_hooks = [p.register_post_accumulate_grad_hook(functools.partial(
+            self._grad_final, i)) for i, p in enumerate(params)]  # fmt: skip
+
+    def _grad_final(self, index: int, _param) -> None:
+        if self._round is not None:
+            self._round.ready(index)
 
     def _param_ids(self) -> list[int]:
         return [id(p) for p in self.model.parameters()]
@@ -110,7 +126,9 @@ class TrainerCore:
         self.model.grow(num_nodes)
         if params != self._param_ids():
             log.debug("node tables grew to %d nodes: optimizer state grown", num_nodes)
-            self.optimizer.regrow(p for p in self.model.parameters() if p.requires_grad)
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            self.optimizer.regrow(params)
+            self._hook_params(params)
 
     # ---- one step ---------------------------------------------------------------------------
 
@@ -218,21 +236,22 @@ class TrainerCore:
             exchange = lambda loss, u: collective.all_gather_tensors_async(  # noqa: E731
                 (loss, u, self.vote), self.device
             )
-        if len(ev):
-            result = self.train_slice(ev, weight, neg_BQ, num_observe, global_size, start, exchange)
-            loss, updates = result["loss"], result["updates"]
-        else:
-            self.optimizer.zero_grad()
-            loss, updates = 0.0, None if exchange is None else exchange(0.0, None)
+        grad = collective.gradient(self.optimizer.flat_grad, self.steps, self.optimizer.sizes,
+                                   getattr(self, "grad_sync", None))  # fmt: skip
+        grad = collective.begin_gradient(grad)  # with comm.overlap: buckets leave in backward
+        self._round = grad.round
+        try:
+            if len(ev):
+                result = self.train_slice(ev, weight, neg_BQ, num_observe, global_size, start,
+                                          exchange)  # fmt: skip
+                loss, updates = result["loss"], result["updates"]
+            else:
+                self.optimizer.zero_grad()
+                loss, updates = 0.0, None if exchange is None else exchange(0.0, None)
+        finally:
+            self._round = None
         t0 = time.perf_counter()
-        self.grad_sync = collective.allreduce_sum_(
-            collective.gradient(
-                self.optimizer.flat_grad,
-                self.steps,
-                self.optimizer.sizes,
-                getattr(self, "grad_sync", None),
-            )
-        ).sync
+        self.grad_sync = collective.allreduce_sum_(grad).sync
         t1 = time.perf_counter()
         if gather:
             parts = updates.wait()
