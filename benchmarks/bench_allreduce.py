@@ -232,7 +232,8 @@ def _overlap_rows(args, rank: int, world: int) -> list[dict]:
     32 per rank): forward, backward, all-reduce, optimizer; the all-reduce after backward or
     overlapped with it (buckets sent from the parameters' gradient hooks), fp32 and q8,
     fixed 4 MiB buckets or the link cost model. `compute` is the step without any exchange.
-    Every variant gives bitwise the same parameters with and without overlap."""
+    The variants train one model in turn (speed only; tests check that overlap changes no
+    bit)."""
     from torch import nn
 
     from tidegraph.training.optim import FlatAdam

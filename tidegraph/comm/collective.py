@@ -12,7 +12,7 @@ Gradient compression (`comm:` in the run config): `allreduce_sum_` of a `Gradien
 `gradsync`) goes through the trainer's `GradSync` when `comm.compression` is not "none" and the
 group has more than one rank, through the exact fp32 all-reduce otherwise. Any other tensor is
 always summed exactly. With `comm.overlap`, `begin_gradient` starts a step's gradient before
-backward and its buckets leave as their gradients become final (compressed or not).
+backward and its buckets leave as their gradients become final (compressed or exact).
 """
 
 from __future__ import annotations
@@ -111,7 +111,10 @@ class Collective:
         """With `comm.overlap` in a group of several: start `allreduce_sum_(x)` before `x`'s
         gradient is computed; `x.round.ready(i)` once tensor i of `x.sizes` is final sends
         what can go (see `QuantizedAllReduce.begin`), and `allreduce_sum_(x)` completes it,
-        bitwise as without overlap. Otherwise `x` unchanged. Issues no collective itself."""
+        bitwise as without overlap (fp32 buckets: at W = 2; at W >= 3 up to gloo's order of
+        addition per bucket). With `compression: none` the gradient then goes through a
+        `GradSync` too (exact buckets; its totals count them). Otherwise `x` unchanged.
+        Issues no collective itself."""
         if self.comm is not None and self.comm.overlap and self.group is not None:
             x.sync = GradSync.restore(self.comm, self.seed, self.rank, x.sync)
             x.round = x.sync.begin(x.flat, x.step, x.sizes, self.group, self.world)

@@ -45,8 +45,9 @@ class CommConfig:
     # encoding and decoding overlap the transfer (1: one message, no overlap)
     pipeline_stages: int = 8
     # send each bucket during backward as soon as its gradients are final (DDP-style), not
-    # after backward; bitwise the same result. Adaptive decision steps, top-k and error
-    # feedback need the whole gradient first and send after backward.
+    # after backward: compressed buckets bitwise the same; exact (fp32) ones too at W = 2, at
+    # W >= 3 up to gloo's order of addition per bucket. Adaptive decision steps, top-k and
+    # error feedback need the whole gradient first and send after backward.
     overlap: bool = False
 
     def __post_init__(self) -> None:

@@ -175,8 +175,9 @@ def comm_record(config: CommConfig, state: dict | None) -> dict:
             bytes_fp32=None,
             ratio=1.0,
             last_bits=[],
-            buckets_sent_in_backward=0,
+            buckets_sent_in_backward=None,
         )
     else:
         out.update(state["totals"])
+        out.setdefault("buckets_sent_in_backward", 0)  # a checkpoint from before overlap
     return out

@@ -331,8 +331,11 @@ class _Exchange:
     seen. Rounding draws from two streams of (seed, rank, step), worker and owner, in bucket
     order."""
 
-    def __init__(self, red, comp: torch.Tensor, stages: list[_Stage], average: bool, step: int):
+    def __init__(
+        self, red, comp: torch.Tensor, stages: list[_Stage], average: bool, step: int, tag=""
+    ):
         self.red, self.comp, self.stages, self.average = red, comp, stages, average
+        self.tag = tag  # names this exchange's kept message buffers (see `_scratch`)
         self.cfg, self.device = red.config, comp.device
         # one key per bucket, drawn in bucket order whatever order the stages are sent in
         worker_gen = red._generator(self.device, step)
@@ -353,7 +356,7 @@ class _Exchange:
         """Encode this rank's values of `stage` (or zeros and its flag) and start sending."""
         W, S = self.red.world, self.cfg.chunk_size
         k = len(self.sent)
-        send = self.red._scratch(f"send{k}", (W, stage.width + 1), self.device)
+        send = self.red._scratch(f"{self.tag}send{k}", (W, stage.width + 1), self.device)
         if not self.worker_flag:
             try:
                 for b, o, w in stage.columns:
@@ -369,7 +372,7 @@ class _Exchange:
             send.zero_()
         send[:, -1] = self.worker_flag
         self.sent.append(send)
-        recv = self.red._scratch(f"recv{k}", tuple(send.shape), self.device)
+        recv = self.red._scratch(f"{self.tag}recv{k}", tuple(send.shape), self.device)
         self.received.append(self.red._start_all_to_all(recv, send))
 
     def owner_stage(self, stage: _Stage, k: int) -> None:
@@ -378,7 +381,7 @@ class _Exchange:
         self.owner_flag = max(self.owner_flag, int(recv[:, -1].max()))
         piece = None
         if not self.owner_flag:
-            piece = self.red._scratch(f"piece{k}", (1, stage.width + 1), self.device)
+            piece = self.red._scratch(f"{self.tag}piece{k}", (1, stage.width + 1), self.device)
             try:
                 for b, o, w in stage.columns:
                     _frame(piece[:, o : o + w], self._requantized(recv[:, o : o + w], b))
@@ -412,7 +415,8 @@ class _Exchange:
         (zeros with the flag once a stage failed anywhere)."""
         piece = self.pieces[k]
         if self.owner_flag:
-            piece = self.red._scratch(f"piece{k}", (1, self.stages[k].width + 1), self.device)
+            shape = (1, self.stages[k].width + 1)
+            piece = self.red._scratch(f"{self.tag}piece{k}", shape, self.device)
             piece.zero_()
         piece[:, -1] = self.owner_flag
         return piece.reshape(-1)
@@ -498,9 +502,14 @@ class QuantizedAllReduce:
         caller says when each tensor of `sizes` holds its final values (`OverlapRound.ready`,
         typically from a gradient hook during backward), buckets leave as soon as they are
         complete, and `OverlapRound.finish()` sends the rest and returns what `allreduce_`
-        would: the same values, bit for bit (codes, rounding and sums do not depend on when a
-        bucket leaves). Steps that need the whole tensor first (a due adaptive decision,
-        top-k, error feedback) or a group of one send everything at `finish`."""
+        would. Compressed buckets end bit for bit as with `allreduce_` at any W (codes,
+        rounding and owners' sums do not depend on when a bucket leaves); exact (fp32)
+        buckets are all-reduced one by one, which is bitwise the same at W = 2 (a + b = b + a)
+        but at W >= 3 lets gloo's ring add in another order than one call over all of them
+        (last-bit differences, as between gloo and the in-process group). Steps that need
+        the whole tensor first (a due adaptive decision, top-k, error feedback) or a group of
+        one send everything at `finish`. A tensor that gets no gradient holds back every
+        bucket after it in sending order until `finish`."""
         return OverlapRound(self, flat, step, average)
 
     # -- buckets and bit widths ------------------------------------------------------------
@@ -703,7 +712,7 @@ class QuantizedAllReduce:
 
     def _owner_step(self, ex: _Exchange, stages: list[_Stage], k: int) -> _Pending:
         ex.owner_stage(stages[k], k)
-        return self._start_gather(ex.owner_piece(k), f"gather{k}")
+        return self._start_gather(ex.owner_piece(k), f"{ex.tag}gather{k}")
 
     def _topk(self, flat, ranges, average: bool, step: int) -> int:
         W, ratio = self.world, self.config.topk_ratio
@@ -810,13 +819,18 @@ class OverlapRound:
             # a view when the compressed buckets are one run of `flat` (read before any write),
             # else each bucket is copied in as it leaves
             comp = flat[buckets[0].lo : buckets[-1].hi] if adjacent else flat.new_empty(at)
-            self.ex = _Exchange(red, comp, stages, average, step)
+            # its own message buffers: a bucket per message, where `allreduce_` (deferred
+            # steps) has its own shapes; shared names would be reallocated at every switch
+            self.ex = _Exchange(red, comp, stages, average, step, tag="overlap-")
             self.comp_is_view = adjacent
             units += [(st.columns[0][0].lo, "stage", st) for st in stages]
         units.sort(key=lambda u: -u[0])
         self.units = [(kind, what) for _, kind, what in units]
         # tensors (of `sizes`) each unit waits for
-        sizes = red.sizes if red.sizes and sum(red.sizes) == flat.numel() else [flat.numel()]
+        # tensors whose sizes are not the buffer's (`set_sizes` not told) mean nothing here:
+        # everything then leaves at `finish`
+        self.sized = bool(red.sizes) and sum(red.sizes) == flat.numel()
+        sizes = red.sizes if self.sized else [flat.numel()]
         starts = _starts(sizes)
         self.waiting: list[int] = []
         self.unit_of: list[list[int]] = [[] for _ in sizes]
@@ -832,7 +846,7 @@ class OverlapRound:
     def ready(self, tensor: int) -> None:
         """Tensor `tensor` (an index into `sizes`) holds its final values; send what can go.
         A tensor said ready twice counts once."""
-        if self.deferred or self.done or self.seen[tensor]:
+        if self.deferred or self.done or not self.sized or self.seen[tensor]:
             return
         self.seen[tensor] = True
         for u in self.unit_of[tensor]:
@@ -862,7 +876,9 @@ class OverlapRound:
 
     def finish(self) -> CommStats:
         """Send what has not left, complete every message, and replace `flat` by the sum (mean
-        with `average`): `allreduce_`'s result and stats."""
+        with `average`): `allreduce_`'s result (see `QuantizedAllReduce.begin`) and stats,
+        whose bytes count a flag byte per bucket's message (`allreduce_` sends one per
+        stage of `pipeline_stages`)."""
         if self.done:
             raise RuntimeError("OverlapRound.finish: called twice")
         self.done = True
