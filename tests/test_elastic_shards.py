@@ -183,7 +183,9 @@ def test_rapid_shard_count_requests_leave_a_consistent_run(ray_session, wiki, fi
 
     got = run(config({"min": 1, "max": PARTS}), wiki, during, join_s=180)
     sizes = [(r["from"], r["to"]) for r in got["shard_resizes"]]
-    assert sizes and sizes[0] == (4, 1) and sizes[-1][1] == 1, sizes
+    # which counts are carried out depends on when step boundaries fall (a request taken
+    # may be replaced by the next before a boundary comes); the chain and its ends may not
+    assert sizes and sizes[0][0] == 4 and sizes[-1][1] == 1, sizes
     assert all(a[1] == b[0] for a, b in zip(sizes, sizes[1:], strict=False)), sizes
     assert got["recoveries"] == []
     assert_same_run(got, fixed)

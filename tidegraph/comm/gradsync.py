@@ -72,6 +72,10 @@ class GradSync:
         self.bytes_fp32 = 0  # what fp32 ring all-reduces of the same tensors send
         self.last_bits: tuple[int, ...] = ()
         self.sent_early = 0  # buckets that left during backward (`comm.overlap`)
+        if config.overlap and (config.error_feedback or config.compression == "topk"):
+            log.warning("comm.overlap: %s needs the whole gradient first, so buckets are "
+                        "sent after backward", "top-k" if config.compression == "topk"
+                        else "error feedback")  # fmt: skip
 
     @classmethod
     def restore(cls, config: CommConfig, seed: int, rank: int, state) -> GradSync:
