@@ -256,8 +256,16 @@ def test_a_lost_replica_is_dropped_and_the_run_goes_on(ray_session, wiki, fault_
     assert_same_run(got, fault_free)
 
 
+CHAOS_COMM = {
+    "fp32": {},
+    # 8-bit gradients in two cost-model buckets, sent during backward
+    "q8-overlap": {"compression": "q8", "overlap": True, "bucketing": "cost_model"},
+}
+
+
 @pytest.mark.slow
-def test_chaos_a_seeded_schedule_of_kills_ends_as_the_fault_free_run(ray_session, tmp_path):
+@pytest.mark.parametrize("comm", list(CHAOS_COMM))
+def test_chaos_a_seeded_schedule_of_kills_ends_as_the_fault_free_run(ray_session, tmp_path, comm):
     """Trainers and shards SIGKILLed at seeded random times over a run of a few minutes (the
     default job's stream and model); the run must end bitwise as the fault-free one, every
     shard holding its events. Kills can take both replicas before a replacement has a copy:
@@ -268,7 +276,7 @@ def test_chaos_a_seeded_schedule_of_kills_ends_as_the_fault_free_run(ray_session
         "train": {"batch_size": 200}, "continual": {"num_increments": 10},
         "cluster": {"backend": "ray", "trainers": 2, "shards": 2},
         "progress": False, "out_dir": None, "seed": 7, "run_name": "tidegraph-chaos-test",
-        "checkpoint_every": 1,
+        "checkpoint_every": 1, "comm": CHAOS_COMM[comm],
     })  # fmt: skip
     want = run(cfg, stream)
     rng = random.Random(2026)
