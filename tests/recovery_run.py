@@ -56,6 +56,7 @@ def run(cfg, stream, during=None, join_s: float = 60.0, during_in_main: bool = F
             "shard_resizes": list(getattr(group, "shard_resizes", [])),
             "placement": group.placement(),
             "shard_events": group.report(stream.events.src, stream.events.dst),
+            "comm": group.comm_totals(),  # trainer 0's gradient totals (None: plain fp32)
         }
     finally:
         if thread is not None:

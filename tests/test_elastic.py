@@ -100,6 +100,25 @@ def test_an_operator_shrinks_and_grows_the_group_mid_run(ray_session, wiki, fixe
     assert_close_run(got, fixed)
 
 
+@pytest.mark.slow  # two more runs; run before resolving
+def test_a_group_sending_buckets_in_backward_shrinks_and_grows(
+    ray_session, wiki, fixed, quick_polls
+):
+    """`comm.overlap` with fp32 buckets: the trainer that joins hooks its parameters and
+    sends its buckets in backward like the others; the run matches the fixed group up to
+    float summation order, and the group did send buckets during backward."""
+    cfg = config({"min": 1, "max": 2})
+    cfg.comm = RunConfig.from_dict({"comm": {"overlap": True, "bucket_bytes": 65536,
+                                             "min_bucket_bytes": 0}}).comm  # fmt: skip
+    got = run(cfg, wiki, wants(1, 2))
+    sizes = [(r["from"], r["to"]) for r in got["resizes"]]
+    assert sizes == [(2, 1), (1, 2)], got["resizes"]
+    assert got["trainer_steps"] == [fixed["steps"]] * 2
+    assert_close_run(got, fixed)
+    assert got["comm"]["buckets_sent_in_backward"] > 0
+    assert fixed["comm"] is None  # the fixed run sends plain fp32 (no GradSync)
+
+
 def test_a_spare_trainer_takes_a_lost_rank_without_a_process_start(
     ray_session, wiki, fixed, quick_polls
 ):
