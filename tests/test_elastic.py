@@ -110,7 +110,16 @@ def test_a_group_sending_buckets_in_backward_shrinks_and_grows(
     cfg = config({"min": 1, "max": 2})
     cfg.comm = RunConfig.from_dict({"comm": {"overlap": True, "bucket_bytes": 65536,
                                              "min_bucket_bytes": 0}}).comm  # fmt: skip
-    got = run(cfg, wiki, wants(1, 2))
+
+    def during(learner) -> None:  # the grow asked as soon as the shrink is done, so that
+        wants(1)(learner)  # the joining process has most of the run to start in
+        for _ in range(60_000):  # bounded
+            if learner.group.resizes or learner.done:
+                break
+            time.sleep(0.001)
+        assert resize.main(["--run-name", learner.config.run_name, "--trainers", "2"]) == 0
+
+    got = run(cfg, wiki, during)
     sizes = [(r["from"], r["to"]) for r in got["resizes"]]
     assert sizes == [(2, 1), (1, 2)], got["resizes"]
     assert got["trainer_steps"] == [fixed["steps"]] * 2
