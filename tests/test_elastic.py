@@ -92,8 +92,21 @@ def quick_polls(monkeypatch):
     monkeypatch.setattr(RayGroup, "progress_s", 0.01)
 
 
+def shrink_then_grow(learner) -> None:
+    """A `during`: 2 -> 1 trainers at 10% of the run's training steps, then back to 2 as
+    soon as the shrink is done, so that the joining process has most of the run to start
+    in (the driver's step count moves a pass at a time: a grow asked at a later fraction
+    can come seconds before the end)."""
+    wants(1)(learner)
+    for _ in range(60_000):  # bounded
+        if learner.group.resizes or learner.done:
+            break
+        time.sleep(0.001)
+    assert resize.main(["--run-name", learner.config.run_name, "--trainers", "2"]) == 0
+
+
 def test_an_operator_shrinks_and_grows_the_group_mid_run(ray_session, wiki, fixed, quick_polls):
-    got = run(config({"min": 1, "max": 2}), wiki, wants(1, 2))
+    got = run(config({"min": 1, "max": 2}), wiki, shrink_then_grow)
     sizes = [(r["from"], r["to"]) for r in got["resizes"]]
     assert sizes == [(2, 1), (1, 2)], got["resizes"]
     assert got["trainer_steps"] == [fixed["steps"]] * 2  # the joined member: every step
@@ -110,16 +123,7 @@ def test_a_group_sending_buckets_in_backward_shrinks_and_grows(
     cfg = config({"min": 1, "max": 2})
     cfg.comm = RunConfig.from_dict({"comm": {"overlap": True, "bucket_bytes": 65536,
                                              "min_bucket_bytes": 0}}).comm  # fmt: skip
-
-    def during(learner) -> None:  # the grow asked as soon as the shrink is done, so that
-        wants(1)(learner)  # the joining process has most of the run to start in
-        for _ in range(60_000):  # bounded
-            if learner.group.resizes or learner.done:
-                break
-            time.sleep(0.001)
-        assert resize.main(["--run-name", learner.config.run_name, "--trainers", "2"]) == 0
-
-    got = run(cfg, wiki, during)
+    got = run(cfg, wiki, shrink_then_grow)
     sizes = [(r["from"], r["to"]) for r in got["resizes"]]
     assert sizes == [(2, 1), (1, 2)], got["resizes"]
     assert got["trainer_steps"] == [fixed["steps"]] * 2
