@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import itertools
 import json
 import os
@@ -249,8 +250,6 @@ def _overlap_rows(args, rank: int, world: int) -> list[dict]:
     def final(index: int, _param) -> None:
         if live["round"] is not None:
             live["round"].ready(index)
-
-    import functools
 
     for i, p in enumerate(model.parameters()):
         p.register_post_accumulate_grad_hook(functools.partial(final, i))

@@ -249,6 +249,16 @@ class _Stage:
     width: int
 
 
+def _buckets(ranges: list[tuple[int, int]], bits: list[int], world: int, chunk_size: int):
+    """The compressed buckets of `ranges` at `bits`, laid out one after the other in the
+    compressed values (`at`), each cut into `world` segments of whole chunks."""
+    out, at = [], 0
+    for (lo, hi), b in zip(ranges, bits, strict=True):
+        out.append(_Bucket(lo, hi, at, -(-(hi - lo) // (world * chunk_size)) * chunk_size, b))
+        at += hi - lo
+    return out
+
+
 def _stages(buckets: list[_Bucket], chunk_size: int, most: int) -> list[_Stage]:
     """`buckets` in order, cut into at most `most` runs of about equal size."""
     total = sum(b.n for b in buckets)
@@ -451,6 +461,7 @@ class QuantizedAllReduce:
         self._worker_fb = ErrorFeedback()
         self._owner_fb = ErrorFeedback()
         self._buffers: dict[str, torch.Tensor] = {}
+        self._holders: tuple[tuple, list[list[int]]] | None = None  # see `_bucket_tensors`
 
     @property
     def buckets(self) -> list[tuple[int, int]]:
@@ -464,20 +475,14 @@ class QuantizedAllReduce:
             self.sizes, self._numel = sizes, None
 
     def allreduce_(self, flat: torch.Tensor, step: int, average: bool = False) -> CommStats:
-        if flat.dim() != 1 or not flat.is_contiguous():
-            raise ValueError("QuantizedAllReduce: expected a contiguous 1-D tensor")
+        _check_flat(flat)
         cfg, world = self.config, self.world
         stats = CommStats(step, cfg.compression, 0, _ring_bytes(flat.numel() * 4, world))
         if world == 1:
             stats.bits = (EXACT_BITS,) * len(self._plan(flat))
             return stats
         ranges = self._plan(flat)
-        compress = cfg.compression != "none" and step >= cfg.warmup_steps
-        chosen = [
-            i
-            for i, (lo, hi) in enumerate(ranges)
-            if compress and hi > lo and (hi - lo) * 4 >= cfg.min_bucket_bytes
-        ]
+        chosen = self._compressed(ranges, step)
         picked_set = set(chosen)
         exact = [r for i, r in enumerate(ranges) if i not in picked_set]
         bits = [EXACT_BITS] * len(ranges)
@@ -572,6 +577,28 @@ class QuantizedAllReduce:
         work = _all_gather(out, piece, group=self.group, async_op=True)
         return _Pending(work, out.reshape(self.world, -1))
 
+    def _bucket_tensors(self, sizes: list[int]) -> list[list[int]]:
+        """Per bucket of the current plan, the tensors of `sizes` (lengths, in flat order)
+        that overlap it; worked out once per plan and sizes, not every step."""
+        key = (tuple(sizes), tuple(self._ranges))
+        if self._holders is None or self._holders[0] != key:
+            starts = _starts(sizes)
+            per_bucket = []
+            for lo, hi in self._ranges:
+                per_bucket.append([t for t, (a, n) in enumerate(zip(starts, sizes, strict=True))
+                                   if n and a < hi and a + n > lo])  # fmt: skip
+            self._holders = (key, per_bucket)
+        return self._holders[1]
+
+    def _compressed(self, ranges: list[tuple[int, int]], step: int) -> list[int]:
+        """Indexes of the buckets of `ranges` compressed at `step` (none during warm-up or
+        without compression; never an empty one or one below `min_bucket_bytes`)."""
+        cfg = self.config
+        if cfg.compression == "none" or step < cfg.warmup_steps:
+            return []
+        return [i for i, (lo, hi) in enumerate(ranges)
+                if hi > lo and (hi - lo) * 4 >= cfg.min_bucket_bytes]  # fmt: skip
+
     def _cached_bits(self, n_buckets: int, step: int) -> list[int] | None:
         """The bits of `n_buckets` compressed buckets at `step` when known without looking at
         the values (fixed bits, or adaptive ones not due for a decision), else None."""
@@ -586,11 +613,9 @@ class QuantizedAllReduce:
     def _bits_for(self, flat, ranges, step: int) -> tuple[list[int], bool, int]:
         """(bits per bucket, re-decided now, bytes the decision sent)."""
         cfg = self.config
-        if cfg.fixed_bits is not None:
-            return [cfg.fixed_bits] * len(ranges), False, 0
-        due = self._decided_at is None or step - self._decided_at >= cfg.adaptive_every
-        if self._bits is not None and len(self._bits) == len(ranges) and not due:
-            return self._bits, False, 0
+        known = self._cached_bits(len(ranges), step)
+        if known is not None:
+            return known, False, 0
         S = cfg.chunk_size
         stats = torch.zeros(len(ranges) + 1, dtype=torch.float64, device=flat.device)
         for k, (lo, hi) in enumerate(ranges):  # one vectorized pass per bucket
@@ -646,10 +671,7 @@ class QuantizedAllReduce:
         on the number of stages."""
         cfg, W, S = self.config, self.world, self.config.chunk_size
         comp = self._compensated(flat, ranges)
-        buckets, at = [], 0
-        for (lo, hi), bb in zip(ranges, bits, strict=True):
-            buckets.append(_Bucket(lo, hi, at, -(-(hi - lo) // (W * S)) * S, bb))
-            at += hi - lo
+        buckets = _buckets(ranges, bits, W, S)
         stages = _stages(buckets, S, cfg.pipeline_stages)
         ex = _Exchange(self, comp, stages, average, step)
         # encode every stage, each sent to its owners at once (the link is the slower part)
@@ -781,8 +803,7 @@ class OverlapRound:
     """
 
     def __init__(self, red: QuantizedAllReduce, flat: torch.Tensor, step: int, average: bool):
-        if flat.dim() != 1 or not flat.is_contiguous():
-            raise ValueError("QuantizedAllReduce: expected a contiguous 1-D tensor")
+        _check_flat(flat)
         self.red, self.flat, self.step, self.average = red, flat, step, average
         self.units: list[tuple[str, object]] = []  # ("exact", (lo, hi)) / ("stage", _Stage)
         self.left = 0  # units sent
@@ -790,29 +811,26 @@ class OverlapRound:
         self.done = False
         cfg, W = red.config, red.world
         ranges = red._plan(flat) if W > 1 else []
-        compress = cfg.compression != "none" and step >= cfg.warmup_steps
-        chosen = [i for i, (lo, hi) in enumerate(ranges)
-                  if compress and hi > lo and (hi - lo) * 4 >= cfg.min_bucket_bytes]  # fmt: skip
+        chosen = red._compressed(ranges, step)
         bits = None
         if chosen and cfg.compression != "topk" and not cfg.error_feedback:
             bits = red._cached_bits(len(chosen), step)
         self.deferred = W == 1 or (bool(chosen) and bits is None)
         if self.deferred:
             return
-        self.ranges, self.chosen = ranges, chosen
         picked = set(chosen)
         self.exact = [r for i, r in enumerate(ranges) if i not in picked]
         self.bits = [EXACT_BITS] * len(ranges)
         self.ex: _Exchange | None = None
         self.copies: dict[int, tuple[torch.Tensor, _Pending]] = {}
-        units: list[tuple[int, str, object]] = [(lo, "exact", (lo, hi)) for lo, hi in self.exact]
+        units: list[tuple[int, str, object]] = [(i, "exact", ranges[i]) for i in range(len(ranges))
+                                                if i not in picked]  # fmt: skip
         if chosen:
-            S, at, buckets = cfg.chunk_size, 0, []
+            S = cfg.chunk_size
+            buckets = _buckets([ranges[i] for i in chosen], bits, W, S)
             for i, bb in zip(chosen, bits, strict=True):
-                lo, hi = ranges[i]
-                buckets.append(_Bucket(lo, hi, at, -(-(hi - lo) // (W * S)) * S, bb))
                 self.bits[i] = bb
-                at += hi - lo
+            at = sum(b.n for b in buckets)
             stages = [_Stage(((b, 0, _row_bytes(b.seg, S, b.bits)),),
                              _row_bytes(b.seg, S, b.bits)) for b in buckets]  # fmt: skip
             adjacent = all(a.hi == b.lo for a, b in zip(buckets[:-1], buckets[1:], strict=True))
@@ -823,25 +841,19 @@ class OverlapRound:
             # steps) has its own shapes; shared names would be reallocated at every switch
             self.ex = _Exchange(red, comp, stages, average, step, tag="overlap-")
             self.comp_is_view = adjacent
-            units += [(st.columns[0][0].lo, "stage", st) for st in stages]
-        units.sort(key=lambda u: -u[0])
+            units += [(i, "stage", st) for i, st in zip(chosen, stages, strict=True)]
+        units.sort(key=lambda u: -u[0])  # buckets are in flat order: the last first
         self.units = [(kind, what) for _, kind, what in units]
-        # tensors (of `sizes`) each unit waits for
         # tensors whose sizes are not the buffer's (`set_sizes` not told) mean nothing here:
         # everything then leaves at `finish`
         self.sized = bool(red.sizes) and sum(red.sizes) == flat.numel()
-        sizes = red.sizes if self.sized else [flat.numel()]
-        starts = _starts(sizes)
-        self.waiting: list[int] = []
-        self.unit_of: list[list[int]] = [[] for _ in sizes]
-        for u, (kind, what) in enumerate(self.units):
-            lo, hi = what if kind == "exact" else (what.columns[0][0].lo, what.columns[0][0].hi)
-            mine = [t for t, (a, n) in enumerate(zip(starts, sizes, strict=True))
-                    if n and a < hi and a + n > lo]  # fmt: skip
-            for t in mine:
+        holders = red._bucket_tensors(red.sizes if self.sized else [flat.numel()])
+        self.waiting = [len(holders[i]) for i, _, _ in units]  # tensors each unit waits for
+        self.unit_of: list[list[int]] = [[] for _ in (red.sizes if self.sized else [0])]
+        for u, (i, _, _) in enumerate(units):
+            for t in holders[i]:
                 self.unit_of[t].append(u)
-            self.waiting.append(len(mine))
-        self.seen = [False] * len(sizes)
+        self.seen = [False] * len(self.unit_of)
 
     def ready(self, tensor: int) -> None:
         """Tensor `tensor` (an index into `sizes`) holds its final values; send what can go.
@@ -914,6 +926,11 @@ class OverlapRound:
 
 
 _OWNER_FLAG = 255  # an owner could not encode its sum (a range beyond fp32)
+
+
+def _check_flat(flat: torch.Tensor) -> None:
+    if flat.dim() != 1 or not flat.is_contiguous():
+        raise ValueError("QuantizedAllReduce: expected a contiguous 1-D tensor")
 
 
 def _rank_flag(rank: int) -> int:
