@@ -32,7 +32,7 @@ def run_offline(config: RunConfig, stream: Stream | None = None) -> dict:
     learner.ingest(0, n)
     epochs = []
     for epoch in range(config.train.epochs):
-        learner.model.reset_state()
+        learner.group.reset_state()
         t0 = time.perf_counter()
         _, loss = learner.train_pass(0, train_end, f"offline epoch {epoch + 1}")
         train_s = time.perf_counter() - t0

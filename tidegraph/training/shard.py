@@ -221,7 +221,7 @@ class ShardCore:
             "events": self.num_events,
             "stored_edges": self.graph.num_stored_edges,
             "bytes": self.graph.memory_bytes()
-            + (0 if self.features is None else self.features.nbytes()),
+            + (0 if self.features is None else self.features.nbytes),
         }
 
     # ---- state ------------------------------------------------------------------------------
