@@ -19,9 +19,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 import reference_run  # noqa: E402
 
 
-def config(model="tgn", backend="ray", **cluster) -> RunConfig:
+def config(model="tgn", backend="ray", strategy="recent", **cluster) -> RunConfig:
     raw = reference_run.reference_config(model)
     raw["model"]["slot_precision"] = "fp32"
+    raw.setdefault("sampler", {})["strategy"] = strategy
     raw["cluster"] = {"backend": backend, **cluster}
     raw["run_name"] = "tidegraph-test-run"
     return RunConfig.from_dict(raw)
@@ -48,20 +49,26 @@ def wiki():
 
 
 @pytest.mark.parametrize(
-    ("model", "memory", "in_place"),
-    [("tgn", "replicated", True), ("tgn", "replicated", False), ("apan", "sharded", True)],
+    ("model", "memory", "in_place", "strategy"),
+    [
+        ("tgn", "replicated", True, "recent"),
+        ("tgn", "replicated", False, "recent"),
+        ("apan", "sharded", True, "recent"),
+        ("tgat", "replicated", False, "uniform"),
+    ],
 )
 def test_ray_actors_give_bitwise_what_the_local_group_gives(
-    ray_session, wiki, model, memory, in_place
+    ray_session, wiki, model, memory, in_place, strategy
 ):
     """Two trainers: gloo's all-reduce adds the two slice gradients once, as the local sum
     does, so the runs agree to the bit (with more trainers, to the summation order). Trainers
     sample same-node shards in place (zero-copy segments) or by request: the same blocks; and
     run a whole pass per task, exchanging node-state updates among themselves, or a task per
-    step (the second case)."""
-    local = run(config(model, "local", shards=2, trainers=2, memory=memory), wiki)
-    cfg = config(model, "ray", shards=2, trainers=2, memory=memory, local_sampling=in_place,
-                 whole_passes=in_place)  # fmt: skip
+    step (the second case). `uniform` draws are keyed by step and root, so whichever process
+    samples a root draws the same neighbours."""
+    local = run(config(model, "local", strategy, shards=2, trainers=2, memory=memory), wiki)
+    cfg = config(model, "ray", strategy, shards=2, trainers=2, memory=memory,
+                 local_sampling=in_place, whole_passes=in_place)  # fmt: skip
     remote = run(cfg, wiki)
     assert local[0].keys() == remote[0].keys()
     for key, x in local[0].items():  # parameters, and node state where replicas hold it
@@ -132,14 +139,6 @@ def test_job_runs_on_ray(ray_session, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "AP" in out and '"trainers": 2' in out
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3
-
-
-def test_uniform_sampling_is_refused_on_ray_until_its_draws_are_per_step(ray_session, wiki):
-    cfg = config(shards=2, trainers=2)
-    cfg.sampler.strategy = "uniform"
-    orchestrator = Orchestrator(cfg, wiki)
-    assert orchestrator.step() is RunState.ERRORED
-    assert "sampler.strategy: 'uniform' is not supported" in str(orchestrator.error)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")

@@ -70,8 +70,8 @@ class SegmentView:
         self._cache = {k: self._cache[k] for k in keys}
         self.graph.segments = [self._cache[k] for k in keys]
 
-    def sample_hop(self, roots, t_hi, k, t_lo=None):
-        return self.sampler.sample_hop(roots, t_hi, k, t_lo)
+    def sample_hop(self, roots, t_hi, k, t_lo=None, key=None):
+        return self.sampler.sample_hop(roots, t_hi, k, t_lo, key)
 
     def state_dict(self) -> dict:
         return self.sampler.state_dict()

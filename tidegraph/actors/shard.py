@@ -142,8 +142,8 @@ class RemoteShard:
     def __init__(self, handle) -> None:
         self.handle = handle
 
-    def sample_hop(self, roots, t_hi, k, t_lo=None):
-        return self.handle.sample_hop.remote(roots, t_hi, k, t_lo)
+    def sample_hop(self, roots, t_hi, k, t_lo=None, key=None):
+        return self.handle.sample_hop.remote(roots, t_hi, k, t_lo, key)
 
     def fetch(self, eids, int8: bool = False):
         return self.handle.fetch.remote(eids, int8)

@@ -191,12 +191,6 @@ class RayGroup:
         if not ray.is_initialized():
             raise RuntimeError("RayGroup: call ray.init (tidegraph.orchestrator.cluster) first")
         c = config.cluster
-        if config.sampler.strategy != "recent":
-            raise ValueError(
-                "sampler.strategy: 'uniform' is not supported with cluster.backend 'ray' yet "
-                "(its draws would depend on which trainer asks first); use 'recent' or the "
-                "local backend"
-            )
         self.config = config
         self.num_shards, self.num_trainers = c.shards, c.trainers
         self.namespace = config.run_name or "tidegraph"
@@ -1686,6 +1680,13 @@ class RayGroup:
         if self.sharded:
             return {"shards": ray.get([s.node_state_dict.remote() for s in self.shards])}
         return self._robust(lambda: ray.get(self.trainers[0].call.remote("node_state")))
+
+    def shard_states(self) -> list[dict]:
+        """Every partition's `ShardCore.state_dict()`, by partition, as its shard actor holds
+        it after the steps submitted so far (read only: for checks of what each holds)."""
+        self.drain()
+        self._flush()
+        return self._robust(lambda: ray.get([s.state_dict.remote() for s in self.shards]))
 
     def load_node_state(self, state: dict) -> None:
         if self.sharded:

@@ -7,7 +7,7 @@ deduplication of (node, time) roots, snapshot windows), whichever shard owns a r
 groups the roots by owner, makes one batched request per shard, and scatters the answers back
 into one block in root order. A root's edges all live on its owner (each event is stored at
 the owners of both endpoints), so the merged block equals what one graph holding every edge
-returns (for `recent`; `uniform` draws from each shard's own generator).
+returns (for `uniform` too: its draws are keyed by the root, `tidegraph.sampling.keyed`).
 
 Two options change what the hop loop asks, never what a shard answers:
 - `t_cap` (the `sampler.history: batch` protocol, PyG's TGN): every root sees only edges
@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from tidegraph.sampling.block import Block
+from tidegraph.sampling.keyed import hop_key
 
 __all__ = ["MultiHopSampler", "ask_owners", "sample_hops"]
 
@@ -42,9 +43,11 @@ def sample_hops(
     dedup: bool = False,
     t_cap: float | None = None,
     dedup_roots: float | None = None,
+    key: int | None = None,
 ) -> list[Block] | list[list[Block]]:
     """Blocks for hops 1..L; with snapshots, one list of blocks per window, newest first.
-    `t_cap` and `dedup_roots`: see the module docstring."""
+    `t_cap` and `dedup_roots`: see the module docstring; `key`: of `uniform` draws, passed
+    to the hop samplers as one key per (window, hop) (None: they draw their own)."""
     ts = ts.to(torch.float64)
     index = None
     if dedup_roots is not None and fanouts and _may_repeat(roots, ts, dedup_roots):
@@ -52,11 +55,11 @@ def sample_hops(
         if u_roots.shape[0] <= dedup_roots * roots.shape[0]:
             roots, ts, index = u_roots, u_ts, inverse
     if num_snapshots == 1 and snapshot_window == 0.0:
-        windows = [_hops(hop, roots, ts, None, fanouts, dedup, t_cap)]
+        windows = [_hops(hop, roots, ts, None, fanouts, dedup, t_cap, key)]
     else:
         w = snapshot_window
         windows = [
-            _hops(hop, roots, ts - i * w, ts - (i + 1) * w, fanouts, dedup, t_cap)
+            _hops(hop, roots, ts - i * w, ts - (i + 1) * w, fanouts, dedup, t_cap, key, i)
             for i in range(num_snapshots)
         ]
     if index is not None:
@@ -65,13 +68,14 @@ def sample_hops(
     return windows[0] if num_snapshots == 1 and snapshot_window == 0.0 else windows
 
 
-def _hops(hop, roots, t_hi, t_lo, fanouts, dedup, t_cap=None) -> list[Block]:
+def _hops(hop, roots, t_hi, t_lo, fanouts, dedup, t_cap=None, key=None, window=0) -> list[Block]:
     blocks = []
     for i, k in enumerate(fanouts):
+        keyed = {} if key is None else {"key": hop_key(key, window, i)}
         if t_cap is None:
-            block = hop(roots, t_hi, k, t_lo)
+            block = hop(roots, t_hi, k, t_lo, **keyed)
         else:
-            block = _own_times(hop(roots, t_hi.clamp(max=t_cap), k, t_lo), t_hi)
+            block = _own_times(hop(roots, t_hi.clamp(max=t_cap), k, t_lo, **keyed), t_hi)
         blocks.append(block)
         if i + 1 < len(fanouts):
             roots, t_hi = block.next_roots()
@@ -173,14 +177,14 @@ class MultiHopSampler:
         return sample_hops(self._hop, roots, ts, self.fanouts, self.num_snapshots,
                            self.snapshot_window, self.dedup, **options)  # fmt: skip
 
-    def _hop(self, roots, t_hi, k, t_lo) -> Block:
+    def _hop(self, roots, t_hi, k, t_lo, key=None) -> Block:
         if len(self.shards) == 1:
             self.requests += 1
-            return self.gather([self.shards[0].sample_hop(roots, t_hi, k, t_lo)])[0]
+            return self.gather([self.shards[0].sample_hop(roots, t_hi, k, t_lo, key)])[0]
 
         def ask(p, idx):
             lo = None if t_lo is None else t_lo.index_select(0, idx)
-            return self.shards[p].sample_hop(roots.index_select(0, idx), t_hi[idx], k, lo)
+            return self.shards[p].sample_hop(roots.index_select(0, idx), t_hi[idx], k, lo, key)
 
         parts = ask_owners(self.owner(roots), len(self.shards), ask, self.gather)
         self.requests += len(parts)

@@ -6,8 +6,11 @@ Semantics (DESIGN.md, "Data model and semantics"):
 - `recent` returns the k newest visible edges, newest first, ties newest-inserted first;
 - `uniform` returns every visible edge when there are at most k (newest first), otherwise k
   distinct edges drawn uniformly without replacement (Floyd's algorithm, one vectorized step per
-  fanout slot), ordered newest first; draws come from the sampler's own generator, so a seed
-  makes them reproducible;
+  fanout slot), ordered newest first; the draws are counter-based (`tidegraph.sampling.keyed`):
+  a function of a key and the root (node, time, window), so they do not depend on who samples a
+  root or beside which others, and identical roots under one key share a draw. `sample(...,
+  key=K)` draws with K (a trainer passes its step's key); without a key, a fresh one comes from
+  the sampler's seeded host generator, so a seed makes the draws reproducible;
 - hop l+1's roots are hop l's roots followed by its valid neighbours in row-major order, each
   at the time of the edge that reached it; a snapshot's window stays that of the original root;
 - `fanouts=[]` samples no hop (models without neighbours, JODIE): `sample` returns no blocks.
@@ -15,8 +18,8 @@ Semantics (DESIGN.md, "Data model and semantics"):
 With `dedup=True` (TGL's deduplication) each hop after the first samples every distinct
 (node, time) root once (with snapshots: distinct (node, time, window)) and the previous block's
 `next_index` maps the full root list onto them; on wikipedia half of TGAT's second-hop roots
-are repeats. For `recent` this changes no result, only the layout; for `uniform`, identical
-roots share one draw instead of drawing independently.
+are repeats. This changes no result, only the layout (identical `uniform` roots share a draw
+either way).
 
 Per hop the work is: per segment a `searchsorted` for the node and a fixed-step binary search for
 the time bounds; then one gather of at most k candidates per segment and, with more than one
@@ -32,6 +35,7 @@ import torch
 from tidegraph.ops import gather_rows
 from tidegraph.rng import load_generator_state
 from tidegraph.sampling.block import Block
+from tidegraph.sampling.keyed import keyed_uniform
 from tidegraph.sampling.multihop import sample_hops
 from tidegraph.storage.graph import DynamicGraph
 from tidegraph.storage.segment import Segment
@@ -79,7 +83,8 @@ class TemporalSampler:
         self.num_snapshots = num_snapshots
         self.snapshot_window = float(snapshot_window)
         self.dedup = dedup
-        self.generator = torch.Generator(device=graph.device)
+        # on the host whatever the graph's device: keys drawn from it match on CPU and CUDA
+        self.generator = torch.Generator()
         if seed is None:  # a fresh random seed, leaving torch's global generator alone
             self.generator.seed()
         else:
@@ -93,15 +98,19 @@ class TemporalSampler:
         ts: torch.Tensor,
         t_cap: float | None = None,
         dedup_roots: float | None = None,
+        key: int | None = None,
     ) -> list[Block] | list[list[Block]]:
         """Blocks for hops 1..L; with snapshots, one list of blocks per window, newest first.
         `t_cap`: roots see only edges before min(own time, t_cap) (a batch's start, PyG's
         protocol); `dedup_roots`: sample each distinct (node, time) root once when at most
-        that share of roots are distinct (`tidegraph.sampling.multihop`)."""
+        that share of roots are distinct (`tidegraph.sampling.multihop`); `key`: the key of
+        `uniform` draws (None: a fresh one from this sampler's generator)."""
         self._check_roots(roots, ts)
+        if key is None and self.strategy == "uniform":
+            key = self._fresh_key()
         return sample_hops(
             self.sample_hop, roots, ts, self.fanouts, self.num_snapshots, self.snapshot_window,
-            self.dedup, t_cap, dedup_roots,
+            self.dedup, t_cap, dedup_roots, key,
         )  # fmt: skip
 
     def state_dict(self) -> dict:
@@ -118,8 +127,10 @@ class TemporalSampler:
         t_hi: torch.Tensor,
         k: int,
         t_lo: torch.Tensor | None = None,
+        key: int | None = None,
     ) -> Block:
-        """One hop: up to k visible edges (t_lo <= t < t_hi) of each root."""
+        """One hop: up to k visible edges (t_lo <= t < t_hi) of each root; `key`: of the
+        `uniform` draws (None: a fresh one from this sampler's generator)."""
         segments = [s for s in reversed(self.graph.segments) if s.num_edges]  # newest first
         if not segments:
             empty = roots.new_zeros((roots.shape[0], 0))
@@ -129,29 +140,15 @@ class TemporalSampler:
         if self.strategy == "recent":
             pos_RC, seg_RC, valid_RC = _newest_candidates(ranges, k)
         else:
-            pos_RC, seg_RC, valid_RC = self._uniform_candidates(ranges, k)
+            key = self._fresh_key() if key is None else key
+            u_RK = keyed_uniform(key, roots, t_hi, t_lo, k)
+            pos_RC, seg_RC, valid_RC = _uniform_candidates(ranges, k, u_RK)
         nbr, t, eid = _gather(segments, pos_RC, seg_RC, valid_RC)
         ordered = self.strategy == "recent" and len(segments) == 1
         return _to_block(roots, t_hi, nbr, t, eid, valid_RC, k, ordered)
 
-    def _uniform_candidates(
-        self, ranges: list[tuple[torch.Tensor, torch.Tensor]], k: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """k distinct visible edges per root, uniformly; all of them when there are <= k."""
-        counts_SR = torch.stack([end - start for start, end in ranges])
-        n = counts_SR.sum(0)
-        r = n.shape[0]
-        slot = torch.arange(k, device=n.device)
-        pick_RK = slot.expand(r, k).clone()  # rows with n <= k: ranks 0..n-1 (newest first)
-        u_RK = torch.rand(r, k, generator=self.generator, dtype=torch.float64, device=n.device)
-        many = n > k
-        for j in range(k):  # Floyd: a uniform k-subset of [0, n) in k steps
-            top = n - k + j
-            draw = (u_RK[:, j] * (top + 1).double()).long().clamp(max=top)
-            taken = (pick_RK[:, :j] == draw.unsqueeze(1)).any(1)
-            pick_RK[:, j] = torch.where(many, torch.where(taken, top, draw), pick_RK[:, j])
-        valid = pick_RK < n.unsqueeze(1)
-        return _rank_to_position(ranges, counts_SR, pick_RK, valid)
+    def _fresh_key(self) -> int:
+        return int(torch.randint(-(2**62), 2**62, (), generator=self.generator))
 
     # ---- checks ---------------------------------------------------------------------------
 
@@ -180,6 +177,26 @@ class TemporalSampler:
                     f"TemporalSampler.sample: root {row} has negative id {int(roots[row])}"
                 )
             raise ValueError(f"TemporalSampler.sample: root {row} has time NaN")
+
+
+def _uniform_candidates(
+    ranges: list[tuple[torch.Tensor, torch.Tensor]], k: int, u_RK: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """k distinct visible edges per root, uniformly (`u_RK`: a uniform [0, 1) value per root
+    and slot); all of them when there are <= k."""
+    counts_SR = torch.stack([end - start for start, end in ranges])
+    n = counts_SR.sum(0)
+    r = n.shape[0]
+    slot = torch.arange(k, device=n.device)
+    pick_RK = slot.expand(r, k).clone()  # rows with n <= k: ranks 0..n-1 (newest first)
+    many = n > k
+    for j in range(k):  # Floyd: a uniform k-subset of [0, n) in k steps
+        top = n - k + j
+        draw = (u_RK[:, j] * (top + 1).double()).long().clamp(max=top)
+        taken = (pick_RK[:, :j] == draw.unsqueeze(1)).any(1)
+        pick_RK[:, j] = torch.where(many, torch.where(taken, top, draw), pick_RK[:, j])
+    valid = pick_RK < n.unsqueeze(1)
+    return _rank_to_position(ranges, counts_SR, pick_RK, valid)
 
 
 def _visible_ranges(

@@ -206,6 +206,11 @@ class LocalGroup:
             return {"shards": [s.node_state_dict() for s in self.state_shards]}
         return self.trainers[0].node_state()
 
+    def shard_states(self) -> list[dict]:
+        """Every partition's `ShardCore.state_dict()`, by partition (read only: for checks
+        of what each partition holds)."""
+        return [s.state_dict() for s in self.shards]
+
     def load_node_state(self, state: dict) -> None:
         if self.state_shards is not None:
             for shard, part in zip(self.state_shards, state["shards"], strict=True):

@@ -162,13 +162,18 @@ class ShardCore:
     # ---- queries ----------------------------------------------------------------------------
 
     def sample_hop(
-        self, roots: torch.Tensor, t_hi: torch.Tensor, k: int, t_lo: torch.Tensor | None = None
+        self,
+        roots: torch.Tensor,
+        t_hi: torch.Tensor,
+        k: int,
+        t_lo: torch.Tensor | None = None,
+        key: int | None = None,
     ) -> Block:
         """Up to k visible edges (t_lo <= t < t_hi) of each root (roots this shard owns), as
-        tensors on the graph's device."""
+        tensors on the graph's device; `key`: of `uniform` draws (`TemporalSampler`)."""
         g = self.graph.device
         t_lo = None if t_lo is None else t_lo.to(g)
-        return self.sampler.sample_hop(roots.to(g), t_hi.to(g), k, t_lo)
+        return self.sampler.sample_hop(roots.to(g), t_hi.to(g), k, t_lo, key)
 
     def fetch(self, eids: torch.Tensor, int8: bool = False) -> EncodedRows:
         """Stored feature rows of `eids` (each with eid mod P == this part); with `int8`, as

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from tidegraph.models.base import TemporalModel, link_roots
 from tidegraph.models.config import build_model
+from tidegraph.sampling.keyed import step_key
 from tidegraph.storage.cache import CachedFeatureStore
 from tidegraph.storage.events import EventBatch
 from tidegraph.training.fetch import flat_blocks, join_edge_features
@@ -79,7 +80,7 @@ class TrainerCore:
                 device=self.device,
             )  # fmt: skip
         self.new_optimizer()
-        self.steps = 0  # training steps taken in a group (`train_and_step`)
+        self.steps = 0  # training steps taken (`train_and_step`, `apply`): the draw key's step
         # a member's vote, carried with its step's update exchange, and the group's (the
         # largest): 1 asks every member to stop after this step (a resize, see `elastic`)
         self.vote = self.group_vote = 0
@@ -138,13 +139,16 @@ class TrainerCore:
         neg_BQ: torch.Tensor,
         observe: EventBatch | None = None,
         start: float | None = None,
+        step: int = -1,
     ):
         """`start`: the global batch's start (`sampler.history: batch` sees only what
-        precedes it)."""
+        precedes it); `step`: the training step whose key `uniform` draws use (-1:
+        evaluation), the same in every replica (`tidegraph.sampling.keyed`)."""
         t0 = time.perf_counter()
         roots, ts = link_roots(ev.src, ev.dst, neg_BQ, ev.t)
         options = sample_options(self.config.sampler, self.model, start)
-        blocks = self.sampler.sample(roots, ts, **options)
+        key = step_key(self.config.seed, step)
+        blocks = self.sampler.sample(roots, ts, key=key, **options)
         self._sampled_edges = sum(int(b.mask.sum()) for b in flat_blocks(blocks))
         blocks = _blocks_to(blocks, self.device)
         t1 = time.perf_counter()
@@ -179,7 +183,7 @@ class TrainerCore:
             self.model.train()
         observe = ev.select(slice(0, num_observe)) if num_observe else None
         start = self._start(start, ev.t[:num_observe])
-        (pos, negl), observe = self._forward(ev, neg_BQ, observe, start)
+        (pos, negl), observe = self._forward(ev, neg_BQ, observe, start, self.steps)
         self.step_edges.append(self._sampled_edges)
         loss_e = F.binary_cross_entropy_with_logits(pos, torch.ones_like(pos), reduction="none")
         loss_e = loss_e + F.binary_cross_entropy_with_logits(
@@ -274,6 +278,7 @@ class TrainerCore:
         if reduced_grad is not flat:
             flat.copy_(reduced_grad)
         self.optimizer.step()
+        self.steps += 1
         self.seconds["optimizer"] += time.perf_counter() - t0
         self.apply_updates(updates)
 
