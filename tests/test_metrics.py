@@ -48,7 +48,7 @@ def finished_run():
 def test_prometheus_scrapes_the_run_metrics(finished_run, tmp_path):
     orchestrator, metrics = finished_run
     binary = shutil.which("prometheus")
-    assert binary, "the Debian package prometheus must be installed (.ci/run installs it)"
+    assert binary, "the Debian package prometheus must be installed (tests/system/install.sh)"
     web = free_port()
     config = tmp_path / "prometheus.yml"
     config.write_text(
