@@ -21,6 +21,7 @@ from tidegraph.training import RunConfig, load_stream
 
 sys.path.insert(0, str(Path(__file__).parent))
 import reference_run  # noqa: E402
+from numerics import float64_everywhere  # noqa: E402
 from recovery_run import assert_same_run, run  # noqa: E402
 from test_elastic import EVENTS, assert_close_run  # noqa: E402
 
@@ -39,6 +40,13 @@ def head_only():
 @pytest.fixture(scope="module")
 def wiki():
     return load_stream("wikipedia", EVENTS)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _float64():
+    """Runs compared with `assert_close_run` are in float64 (see tests/numerics.py)."""
+    with float64_everywhere():
+        yield
 
 
 def drain(cluster, node) -> float:

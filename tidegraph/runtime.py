@@ -50,9 +50,17 @@ def tune_host_allocator(mmap_threshold: int = 256 << 20, trim_threshold: int = 1
 
 
 def set_determinism(
-    seed: int, rank: int = 0, deterministic: bool = True, threads: int | None = None
+    seed: int,
+    rank: int = 0,
+    deterministic: bool = True,
+    threads: int | None = None,
+    default_dtype: str | None = None,
 ) -> None:
-    """Deterministic kernels (or not), torch's global seed for this rank, CPU threads."""
+    """Deterministic kernels (or not), torch's global seed for this rank, CPU threads, and
+    (`default_dtype`, e.g. "float64": tests that compare runs beyond float32 noise) the
+    default dtype that models are built in."""
+    if default_dtype is not None:
+        torch.set_default_dtype(getattr(torch, default_dtype))
     torch.use_deterministic_algorithms(deterministic, warn_only=True)
     if deterministic:
         torch.utils.deterministic.fill_uninitialized_memory = False
