@@ -1,13 +1,22 @@
 """Whole Ray runs with something happening meanwhile (a kill, a node removed), and the exact
-comparison with a fault-free run (shared by the recovery tests)."""
+comparison with a fault-free run (shared by the recovery tests).
+
+Every run keeps a durable event log (in a temporary directory when it has no run directory
+of its own), and `outcome` checks each partition's events against it before anything else:
+a run whose shards hold an event twice, or miss one, fails there, whatever the other run
+holds. `assert_same_run` then compares parameters, metrics and the node state the shards
+hold (`cluster.memory: sharded`) bitwise."""
 
 from __future__ import annotations
 
-import threading
+import tempfile
 
 import torch
+from logcheck import assert_held_as_logged, assert_same_node_rows, node_rows
+from threads import Watched
 
 from tidegraph.runtime import set_determinism
+from tidegraph.storage.eventlog import EventLog
 from tidegraph.training import ContinualLearner
 
 METRICS = ("ap", "auc", "mrr", "old_ap", "loss", "val_ap", "replayed")
@@ -16,56 +25,67 @@ METRICS = ("ap", "auc", "mrr", "old_ap", "loss", "val_ap", "replayed")
 def run(cfg, stream, during=None, join_s: float = 60.0, during_in_main: bool = False) -> dict:
     """The whole run; `during(learner)` is started in a thread once the group is up (or,
     `during_in_main`, runs in this thread while the run trains in another: Ray's
-    `Cluster.add_node` works only in the main thread)."""
+    `Cluster.add_node` works only in the main thread). What the thread raises fails the run,
+    as does a `during` thread still running `join_s` seconds after the run."""
     set_determinism(7, threads=1)
-    learner = ContinualLearner(cfg, stream)
-    failed: list = []
+    with tempfile.TemporaryDirectory(prefix="tidegraph-log-") as where:
+        log = EventLog(where)
+        learner = ContinualLearner(cfg, stream, event_log=log)
 
-    def train() -> None:
-        try:
+        def train() -> None:
             learner.run_phase1()
             while not learner.done:
                 learner.step()
-        except BaseException as exc:
-            failed.append(exc)
 
-    target, args = (train, ()) if during_in_main else (during, (learner,))
-    thread = None
-    if during is not None:
-        thread = threading.Thread(target=target, args=args, daemon=True)
-        thread.start()
-    try:
-        if during_in_main:
-            during(learner)
-            thread.join()
-            if failed:
-                raise failed[0]
-        else:
-            train()
-            if failed:
-                raise failed[0]
-        group = learner.group
-        return {
-            "model": group.model_state(),
-            "history": learner.history,
-            "steps": learner.cursor.step,
-            "trainer_steps": group._all("__getattribute__", "steps"),
-            "recoveries": list(group.recoveries),
-            "resizes": list(getattr(group, "resizes", [])),
-            "shard_moves": list(getattr(group, "shard_moves", [])),
-            "shard_resizes": list(getattr(group, "shard_resizes", [])),
-            "placement": group.placement(),
-            "shard_events": group.report(stream.events.src, stream.events.dst),
-            "comm": group.comm_totals(),  # trainer 0's gradient totals (None: plain fp32)
-        }
-    finally:
-        if thread is not None:
-            thread.join(timeout=join_s)
-        learner.group.shutdown()
+        thread = None
+        if during is not None:
+            thread = Watched(train) if during_in_main else Watched(during, learner)
+            thread.start()
+        try:
+            try:
+                if during_in_main:
+                    during(learner)
+                    thread.join()  # the run, as long as it takes
+                else:
+                    train()
+            finally:
+                if thread is not None:
+                    thread.join(join_s)  # raises what the thread raised
+            return outcome(learner, log)
+        finally:
+            learner.group.shutdown()
+
+
+def outcome(learner, log: EventLog) -> dict:
+    """What a finished run is compared by, once every partition was found to hold exactly
+    the events of `log` (its durable event log)."""
+    group = learner.group
+    shards = group.shard_states()
+    counts = assert_held_as_logged(shards, group.partitioner, log, learner.stream.idmap,
+                                   learner.cursor.ingested)  # fmt: skip
+    report = group.report(learner.stream.events.src, learner.stream.events.dst)
+    assert report["shard_events"] == counts  # what the group reports is what it holds
+    return {
+        "model": group.model_state(),
+        "node_rows": [node_rows(s["node_state"]) for s in shards],  # sharded node state
+        "history": learner.history,
+        "steps": learner.cursor.step,
+        "trainer_steps": group._all("__getattribute__", "steps"),
+        "recoveries": list(group.recoveries),
+        "resizes": list(getattr(group, "resizes", [])),
+        "shard_moves": list(getattr(group, "shard_moves", [])),
+        "shard_resizes": list(getattr(group, "shard_resizes", [])),
+        "placement": group.placement(),
+        "shard_events": report,
+        "comm": group.comm_totals(),  # trainer 0's gradient totals (None: plain fp32)
+    }
 
 
 def assert_same_run(got: dict, want: dict) -> None:
-    """Bitwise the same parameters and metrics, as many steps, every shard the same events."""
+    """Bitwise the same parameters, node state and metrics, as many steps, every shard the
+    same events (each run's were checked against its own event log by `outcome`)."""
+    for name, res in (("got", got), ("want", want)):
+        assert "node_rows" in res, f"{name}: make it with outcome(learner, event_log)"
     assert got["steps"] == want["steps"]
     assert got["model"].keys() == want["model"].keys()
     for key, value in want["model"].items():
@@ -73,3 +93,4 @@ def assert_same_run(got: dict, want: dict) -> None:
     for a, b in zip(got["history"], want["history"], strict=True):
         assert {k: a[k] for k in METRICS if k in a} == {k: b[k] for k in METRICS if k in b}
     assert got["shard_events"]["shard_events"] == want["shard_events"]["shard_events"]
+    assert_same_node_rows(got["node_rows"], want["node_rows"])  # held by shards, if any

@@ -2,8 +2,9 @@
 while the run goes on; resuming a followed run."""
 
 import json
-import threading
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +17,9 @@ from tidegraph.storage.eventlog import EventLog
 from tidegraph.storage.ingest import LoaderError, load_events
 from tidegraph.storage.live import DirectorySource, GrowingFileSource
 from tidegraph.training import load_stream
+
+sys.path.insert(0, str(Path(__file__).parent))
+from threads import Watched  # noqa: E402
 
 
 def write_events(path, events) -> None:
@@ -41,7 +45,7 @@ def test_files_arriving_in_a_followed_directory_become_increments(tmp_path, caps
         time.sleep(2.0)
         write_events(inbox / "part-002.csv", events.select(slice(2500, 3000)))
 
-    writer = threading.Thread(target=later)
+    writer = Watched(later)
     writer.start()
     threads = torch.get_num_threads()
     DirectorySource.poll_interval = 0.1
@@ -51,7 +55,7 @@ def test_files_arriving_in_a_followed_directory_become_increments(tmp_path, caps
                 "--out", str(tmp_path / "run")]  # fmt: skip
         assert main(args) == 0
     finally:
-        writer.join()
+        writer.join(60)
         torch.set_num_threads(threads)
         DirectorySource.poll_interval = 0.5
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -127,12 +131,12 @@ def test_n_line_increments_wait_for_their_last_line(tmp_path):
         time.sleep(0.3)
         append(path, ",3.0\n4,5,4.0\n")
 
-    writer = threading.Thread(target=finish_the_line)
+    writer = Watched(finish_the_line)
     writer.start()
     try:
         assert source.next_events(30)[1].src.tolist() == [2, 3]  # not [2] alone
     finally:
-        writer.join()
+        writer.join(60)
     assert source.next_events(0)[1].src.tolist() == [4]  # quiet: the short last one
 
 

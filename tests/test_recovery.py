@@ -24,7 +24,8 @@ from tidegraph.training import RunConfig, load_stream
 
 sys.path.insert(0, str(Path(__file__).parent))
 import reference_run  # noqa: E402
-from recovery_run import assert_same_run, run  # noqa: E402
+from recovery_run import assert_same_run, outcome, run  # noqa: E402
+from threads import Watched  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -134,9 +135,7 @@ def test_losing_every_trainer_restarts_the_group_from_the_last_checkpoint(
             assert learner.group.replay_stats()["replayed"] == len(plan)
         else:
             assert plan == []
-        got = {"model": learner.group.model_state(), "history": learner.history,
-               "steps": learner.cursor.step,
-               "shard_events": learner.group.report(wiki.events.src, wiki.events.dst)}  # fmt: skip
+        got = outcome(learner, orchestrator.run_dir.event_log())
     finally:
         orchestrator.close()
     assert_same_run(got, fault_free)
@@ -193,7 +192,7 @@ def orchestrated(cfg: RunConfig, wiki, tmp_path, name: str, due) -> tuple[dict, 
             time.sleep(0.001)
 
     default, RayGroup.progress_s = RayGroup.progress_s, 0.01
-    thread = threading.Thread(target=kill_later, daemon=True)
+    thread = Watched(kill_later)
     thread.start()
     try:
         for _ in range(200):  # bounded
@@ -201,13 +200,13 @@ def orchestrated(cfg: RunConfig, wiki, tmp_path, name: str, due) -> tuple[dict, 
                 break
         assert orchestrator.state is RunState.FINISHED, orchestrator.error
         learner = orchestrator.learner
-        got = {"model": learner.group.model_state(), "history": learner.history,
-               "steps": learner.cursor.step,
-               "shard_events": learner.group.report(wiki.events.src, wiki.events.dst)}  # fmt: skip
+        got = outcome(learner, orchestrator.run_dir.event_log())
     finally:
         RayGroup.progress_s = default
-        thread.join(timeout=30)
-        orchestrator.close()
+        try:
+            thread.join(30)  # raises what the thread raised
+        finally:
+            orchestrator.close()
     assert killed.is_set()
     return got, learner, orchestrator.restarts
 
@@ -280,25 +279,40 @@ def test_chaos_a_seeded_schedule_of_kills_ends_as_the_fault_free_run(ray_session
     })  # fmt: skip
     want = run(cfg, stream)
     rng = random.Random(2026)
+    # the schedule, drawn before the run: (seconds after the previous kill, kind, index)
+    schedule = [(rng.uniform(2.0, 8.0), rng.choice(["trainer", "shard"]), rng.randrange(2))
+                for _ in range(12)]  # fmt: skip
     kills, finished = [], threading.Event()
 
-    def chaos(orchestrator) -> None:
-        for _ in range(12):
-            if finished.wait(rng.uniform(2.0, 8.0)):
-                return
-            kind, index = rng.choice(["trainer", "shard"]), rng.randrange(2)
+    def kill(orchestrator, kind: str, index: int) -> int:
+        """SIGKILL the process of that trainer or shard; tried again (bounded) while it has
+        none to kill: between groups (a restart from a checkpoint), or while that actor is
+        being replaced. A kill that cannot be made fails the test."""
+        deadline = time.monotonic() + 180
+        while True:
             try:
-                group = orchestrator.learner.group
+                group = orchestrator.learner.group  # None between groups
                 actors = group.trainers if kind == "trainer" else group.shards
-                pid = ray.get(actors[index].pid.remote(), timeout=30)
-            except Exception:  # between groups, or that actor is being replaced: the next
-                continue
-            os.kill(pid, signal.SIGKILL)
+                pid = ray.get(actors[index].pid.remote(), timeout=10)
+                os.kill(pid, signal.SIGKILL)
+                return pid
+            except (AttributeError, ray.exceptions.RayError, ProcessLookupError) as exc:
+                if finished.is_set() or time.monotonic() > deadline:
+                    which = f"kill {len(kills) + 1} of {len(schedule)} ({kind} {index})"
+                    raise AssertionError(f"{which} could not be made: {exc!r}") from exc
+                time.sleep(0.5)
+
+    def chaos(orchestrator) -> None:
+        for pause, kind, index in schedule:
+            if finished.wait(pause):
+                raise AssertionError(f"the run ended after {len(kills)} of {len(schedule)} "
+                                     "planned kills")  # fmt: skip
+            kill(orchestrator, kind, index)
             kills.append((round(time.monotonic(), 1), kind, index))
 
     set_determinism(7, threads=1)
     orchestrator = Orchestrator(cfg, stream, run_dir=RunDir(str(tmp_path), "chaos"))
-    thread = threading.Thread(target=chaos, args=(orchestrator,), daemon=True)
+    thread = Watched(chaos, orchestrator)
     try:
         assert orchestrator.step() is RunState.RUNNING  # the group is up
         thread.start()
@@ -306,21 +320,18 @@ def test_chaos_a_seeded_schedule_of_kills_ends_as_the_fault_free_run(ray_session
             if orchestrator.step() in (RunState.FINISHED, RunState.ERRORED):
                 break
         finished.set()
-        thread.join(timeout=60)
         assert orchestrator.state is RunState.FINISHED, "".join(
             traceback.format_exception(orchestrator.error)
         )
-        group = orchestrator.learner.group
-        got = {"model": group.model_state(), "history": orchestrator.learner.history,
-               "steps": orchestrator.learner.cursor.step, "recoveries": list(group.recoveries),
-               "shard_events": group.report(stream.events.src, stream.events.dst)}  # fmt: skip
+        thread.join(60)  # raises what the thread raised (a planned kill not made)
+        got = outcome(orchestrator.learner, orchestrator.run_dir.event_log())
     finally:
         finished.set()
         orchestrator.close()
     print("chaos schedule (time, kind, index):", kills)
     print("restarts from a checkpoint:", orchestrator.restarts)
     print("recoveries of the last group:", got["recoveries"])
-    assert kills
+    assert [k[1:] for k in kills] == [s[1:] for s in schedule]  # every kill it planned
     assert_same_run(got, want)
 
 
