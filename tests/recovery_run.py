@@ -10,16 +10,29 @@ hold (`cluster.memory: sharded`) bitwise."""
 from __future__ import annotations
 
 import tempfile
+import traceback
 
 import torch
 from logcheck import assert_held_as_logged, assert_same_node_rows, node_rows
 from threads import Watched
 
+from tidegraph.orchestrator import RunState
 from tidegraph.runtime import set_determinism
 from tidegraph.storage.eventlog import EventLog
 from tidegraph.training import ContinualLearner
 
 METRICS = ("ap", "auc", "mrr", "old_ap", "loss", "val_ap", "replayed")
+
+
+def finish(orchestrator, max_steps: int = 200) -> None:
+    """Step `orchestrator` until it ends (at most `max_steps` state steps) and assert that it
+    finished, with the error's traceback when it did not."""
+    for _ in range(max_steps):  # bounded
+        if orchestrator.step() in (RunState.FINISHED, RunState.ERRORED):
+            break
+    error = orchestrator.error
+    why = "".join(traceback.format_exception(error)) if error is not None else "still running"
+    assert orchestrator.state is RunState.FINISHED, why
 
 
 def run(cfg, stream, during=None, join_s: float = 60.0, during_in_main: bool = False) -> dict:

@@ -42,7 +42,7 @@ from tidegraph.training import ContinualLearner, RunConfig, load_stream
 sys.path.insert(0, str(Path(__file__).parent))
 import reference_run  # noqa: E402
 from logcheck import assert_held_as_logged, node_rows  # noqa: E402
-from recovery_run import assert_same_run, outcome  # noqa: E402
+from recovery_run import assert_same_run, finish, outcome  # noqa: E402
 from runstate import RAY_ONLY, assert_same_state, final_state, records  # noqa: E402
 from test_job_submit import cluster_pids, stop_cluster  # noqa: E402
 from threads import Watched  # noqa: E402
@@ -138,10 +138,7 @@ def test_every_trainer_sigkilled_from_outside_restarts_from_the_newest_checkpoin
     try:
         assert orchestrator.step() is RunState.RUNNING  # the group is up
         thread.start()
-        for _ in range(200):  # bounded
-            if orchestrator.step() in (RunState.FINISHED, RunState.ERRORED):
-                break
-        assert orchestrator.state is RunState.FINISHED, orchestrator.error
+        finish(orchestrator)
         got = outcome(orchestrator.learner, run_dir.event_log())
         replayed = orchestrator.learner.group.replay_stats()["replayed"]
     finally:

@@ -9,7 +9,6 @@ import signal
 import sys
 import threading
 import time
-import traceback
 from pathlib import Path
 
 import pytest
@@ -24,7 +23,7 @@ from tidegraph.training import RunConfig, load_stream
 
 sys.path.insert(0, str(Path(__file__).parent))
 import reference_run  # noqa: E402
-from recovery_run import assert_same_run, outcome, run  # noqa: E402
+from recovery_run import assert_same_run, finish, outcome, run  # noqa: E402
 from threads import Watched  # noqa: E402
 
 
@@ -123,10 +122,7 @@ def test_losing_every_trainer_restarts_the_group_from_the_last_checkpoint(
     set_determinism(7, threads=1)
     orchestrator = Orchestrator(cfg, wiki, run_dir=RunDir(str(tmp_path), "restart"))
     try:
-        for _ in range(200):  # bounded
-            if orchestrator.step() in (RunState.FINISHED, RunState.ERRORED):
-                break
-        assert orchestrator.state is RunState.FINISHED, orchestrator.error
+        finish(orchestrator)
         assert orchestrator.restarts == 1
         learner = orchestrator.learner
         plan = orchestrator.replay_plan
@@ -195,10 +191,7 @@ def orchestrated(cfg: RunConfig, wiki, tmp_path, name: str, due) -> tuple[dict, 
     thread = Watched(kill_later)
     thread.start()
     try:
-        for _ in range(200):  # bounded
-            if orchestrator.step() in (RunState.FINISHED, RunState.ERRORED):
-                break
-        assert orchestrator.state is RunState.FINISHED, orchestrator.error
+        finish(orchestrator)
         learner = orchestrator.learner
         got = outcome(learner, orchestrator.run_dir.event_log())
     finally:
@@ -316,13 +309,10 @@ def test_chaos_a_seeded_schedule_of_kills_ends_as_the_fault_free_run(ray_session
     try:
         assert orchestrator.step() is RunState.RUNNING  # the group is up
         thread.start()
-        for _ in range(10_000):  # bounded
-            if orchestrator.step() in (RunState.FINISHED, RunState.ERRORED):
-                break
-        finished.set()
-        assert orchestrator.state is RunState.FINISHED, "".join(
-            traceback.format_exception(orchestrator.error)
-        )
+        try:
+            finish(orchestrator, 10_000)
+        finally:
+            finished.set()
         thread.join(60)  # raises what the thread raised (a planned kill not made)
         got = outcome(orchestrator.learner, orchestrator.run_dir.event_log())
     finally:
