@@ -1,5 +1,6 @@
-"""Runs compared beyond float32 noise: models built in float64 in this process and in every
-Ray actor that a `RayGroup` starts meanwhile.
+"""Comparing float results: `rel`, the relative distance of two tensors, and
+`float64_everywhere`, runs compared beyond float32 noise: models built in float64 in this
+process and in every Ray actor that a `RayGroup` starts meanwhile.
 
 A run whose trainer group changes size sums each step's slices in another order than a fixed
 group; in float32, Adam amplifies those last-bit differences over hundreds of steps to 1e-4 of
@@ -15,13 +16,24 @@ import contextlib
 
 import torch
 
-from tidegraph.orchestrator.ray_group import RayGroup
+__all__ = ["float64_everywhere", "rel"]
 
-__all__ = ["float64_everywhere"]
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative distance of the finite entries; non-finite ones (empty mail slots at -inf)
+    must sit at the same places with the same values (else inf)."""
+    a, b = a.double(), b.double()
+    finite = torch.isfinite(a)
+    if not torch.equal(finite, torch.isfinite(b)) or not torch.equal(a[~finite], b[~finite]):
+        return float("inf")
+    a, b = a[finite], b[finite]
+    return float((a - b).norm() / a.norm().clamp(min=1e-30)) if a.numel() else 0.0
 
 
 @contextlib.contextmanager
 def float64_everywhere():
+    from tidegraph.orchestrator.ray_group import RayGroup
+
     runtime = RayGroup._runtime
     before = torch.get_default_dtype()
 

@@ -28,6 +28,7 @@ from tidegraph.training.sampling import NegativeSampler
 
 sys.path.insert(0, str(Path(__file__).parent))
 import reference_run  # noqa: E402
+from numerics import rel  # noqa: E402
 
 MODELS = ("tgn", "tgat", "jodie", "apan")
 GRID = [(p, w) for p in (1, 2, 3) for w in (1, 2, 4)]
@@ -50,17 +51,6 @@ def config(model: str, shards: int = 1, trainers: int = 1, **over) -> RunConfig:
             {key: value}
         )
     return RunConfig.from_dict(raw)
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Relative distance of the finite entries; non-finite ones (empty mail slots at -inf)
-    must sit at the same places with the same values (else inf)."""
-    a, b = a.double(), b.double()
-    finite = torch.isfinite(a)
-    if not torch.equal(finite, torch.isfinite(b)) or not torch.equal(a[~finite], b[~finite]):
-        return float("inf")
-    a, b = a[finite], b[finite]
-    return float((a - b).norm() / a.norm().clamp(min=1e-30)) if a.numel() else 0.0
 
 
 # ---- P = W = 1 is the learner before the split ------------------------------------------------

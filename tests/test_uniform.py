@@ -3,6 +3,9 @@ hop) (`tidegraph.sampling.keyed`), so P shards and W trainers draw what one proc
 the run is what one trainer gives at the same global batch (float64: summation order only).
 The Ray backend's equality with the local one is in test_ray.py."""
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -10,6 +13,9 @@ from tidegraph.runtime import set_determinism
 from tidegraph.training import ContinualLearner, RunConfig, load_stream
 from tidegraph.training.group import LocalGroup
 from tidegraph.training.sampling import NegativeSampler
+
+sys.path.insert(0, str(Path(__file__).parent))
+from numerics import rel  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -46,14 +52,6 @@ def float64_learner(model: str, shards: int, trainers: int, stream) -> Continual
         trainer.model.to(torch.float64)
         trainer.new_optimizer()
     return learner
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    finite = torch.isfinite(a)
-    assert torch.equal(finite, torch.isfinite(b)) and torch.equal(a[~finite], b[~finite])
-    a, b = a[finite], b[finite]
-    return float((a - b).norm() / a.norm().clamp(min=1e-30)) if a.numel() else 0.0
 
 
 def sampled(group: LocalGroup, ev, neg) -> list[torch.Tensor]:
