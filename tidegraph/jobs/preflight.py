@@ -2,7 +2,9 @@
 
 `preflight` finds what would otherwise fail late (after the data is loaded, or after phase 1):
 a CUDA device on a machine without one, a run directory or quarantine file that cannot be
-written, a dataset file that is missing or unreadable, a followed path that does not exist.
+written, a dataset file that is missing or unreadable, a followed path that does not exist, or
+how to read a dataset file (`--columns`, `--features`, `--header`) given with `--follow`, whose
+files are read by their own header and format (refused rather than ignored).
 `conflicts` finds command-line flags that the YAML would silently overrule (`--increments`
 while the YAML cuts increments by `continual.increment_window`).
 
@@ -55,6 +57,7 @@ def preflight(config, out: str | None = None, quarantine: str | None = None,
         if not Path(follow).exists():
             raise ValueError(f"--follow: {follow} does not exist (give a directory or a file)")
         _check_readable("--follow", Path(follow))
+        _check_follow_reading(config.data)
     else:
         _check_dataset(config.data.dataset)
 
@@ -82,6 +85,14 @@ def _get(raw, dotted: str):
             return None
         raw = raw.get(key)
     return raw
+
+
+def _check_follow_reading(data) -> None:
+    given = [name for name in ("columns", "features", "header") if getattr(data, name) is not None]
+    if given:
+        fields = ", ".join(f"--{n}/data.{n}" for n in given)
+        raise ValueError(f"{fields}: how to read a --dataset file; --follow reads each file by "
+                         "its own header and format and would ignore it: remove it")  # fmt: skip
 
 
 def _check_device(flag: str, device: str, backend: str) -> None:

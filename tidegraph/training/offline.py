@@ -24,8 +24,16 @@ log = logging.getLogger(__name__)
 
 
 def run_offline(config: RunConfig, stream: Stream | None = None) -> dict:
-    """Train, validate and test; returns per-epoch times, validation and test metrics."""
+    """Train, validate and test; returns per-epoch times, validation and test metrics. The
+    group (on Ray: its actors and placement groups) is released at the end."""
     learner = ContinualLearner(config, stream)
+    try:
+        return _run(config, learner)
+    finally:
+        learner.group.shutdown()
+
+
+def _run(config: RunConfig, learner: ContinualLearner) -> dict:
     n = len(learner.events)
     train_end = int(n * config.offline_split[0])
     val_end = train_end + int(n * config.offline_split[1])
