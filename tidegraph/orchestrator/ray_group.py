@@ -180,6 +180,7 @@ class RayGroup:
 
     placement_wait_s = 120.0  # tests set it lower
     pipeline_depth = 4  # training steps submitted ahead of the oldest unfinished one
+    on_change = None  # (kind, why): the controller's hook (`orchestrator.controller`)
     progress_s = 0.5  # seconds between progress reads while a pass runs
     probe_s = 10.0  # a trainer that does not answer this long after a failure is hung
     name_wait_s = 30.0  # for a lost trainer's name to be free for its replacement
@@ -774,6 +775,12 @@ class RayGroup:
         nothing is under way)."""
         decision, moves, adds, reshard = self._plan(force or self._stop_asked)
         self._stop_asked = False
+        what = [f"replicas of shards {adds}"] * bool(adds) + [f"shards {moves} move"] * bool(moves)
+        what += [f"shard actors: {reshard[2]}"] if reshard is not None else []
+        what += [f"trainers: {decision.reason}"] if decision is not None else []
+        if not what:
+            return
+        self._tell("resizing", "; ".join(what))
         try:
             for p in adds:
                 self._add_replicas(p)
@@ -785,6 +792,7 @@ class RayGroup:
                 self._resize(decision, at)
         except ray.exceptions.RayError as exc:  # a member lost meanwhile: recover instead
             self.recover(exc)
+        self._tell("settled", "resized")
 
     # ---- shards moving between nodes ----------------------------------------------------------
 
@@ -1268,7 +1276,16 @@ class RayGroup:
     def recover(self, cause: Exception) -> list:
         """`_recover` after `cause`, again as often as a further failure interrupts it
         (within the recovery budget)."""
-        return _retrying(self._recover, cause)
+        self._tell("recovering", f"after {type(cause).__name__}")
+        out = _retrying(self._recover, cause)
+        self._tell("settled", "recovered")
+        return out
+
+    def _tell(self, kind: str, why: str) -> None:
+        """Tell the controller (`on_change`) that the group starts recovering or resizing,
+        or has settled."""
+        if self.on_change is not None:
+            self.on_change(kind, why)
 
     def _recover(self, cause: Exception) -> list:
         """Bring the group back after `cause` (a failed pass): rebuild lost shards, replace

@@ -67,6 +67,8 @@ def choose_memory_placement(cluster, num_nodes: int, row_bytes: int) -> str:
 class LocalGroup:
     """Shards and trainers of one run, all in this process."""
 
+    on_change = None  # the controller's hook; a local group neither recovers nor resizes
+
     def __init__(
         self, config, num_nodes: int, edge_dim: int, expected_nodes: int | None = None
     ) -> None:
