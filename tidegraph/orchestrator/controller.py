@@ -203,7 +203,7 @@ class Orchestrator:
             self._open_update_log()
             g = self.learner.group
             g.on_change = self._group_changed
-            if self.run_dir is not None and hasattr(g, "snapshot_source"):
+            if self.run_dir is not None:
                 g.snapshot_source = self._group_snapshot
             log.info(
                 "placed %d shards and %d trainers (%s backend, node state %s)",
@@ -248,7 +248,7 @@ class Orchestrator:
         checkpoint instead of computing them (`recovery.updatelog`)."""
         every = self.config.cluster.update_log_every
         group = self.learner.group
-        if self.run_dir is None or not self.run_dir.local or not hasattr(group, "set_update_log"):
+        if self.run_dir is None or not self.run_dir.local or not group.supports_update_log:
             if every:
                 log.warning("cluster.update_log_every: the update log needs the ray backend and "
                             "a run directory on a file system; not logging")  # fmt: skip

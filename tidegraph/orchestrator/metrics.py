@@ -87,17 +87,15 @@ class RunMetrics:
         self.trainers.set(trainers)
         self.shards.set(shards)
         self.size.set(group.num_trainers)
-        resizes = getattr(group, "resizes", [])
-        for event in resizes[self._resizes :]:
+        for event in group.resizes[self._resizes :]:
             self.resizes.labels("grow" if event["to"] > event["from"] else "shrink").inc()
-        self._resizes = len(resizes)
-        if hasattr(group, "shard_resizes"):
-            self.shard_actors.set(len(group._shard_hosts()))
-            for event in group.shard_resizes[self._shard_resizes :]:
-                direction = "grow" if event["to"] > event["from"] else "shrink"
-                self.shard_resizes.labels(direction).inc()
-            self._shard_resizes = len(group.shard_resizes)
-        recoveries = getattr(group, "recoveries", [])
+        self._resizes = len(group.resizes)
+        self.shard_actors.set(group.shard_actors)
+        for event in group.shard_resizes[self._shard_resizes :]:
+            direction = "grow" if event["to"] > event["from"] else "shrink"
+            self.shard_resizes.labels(direction).inc()
+        self._shard_resizes = len(group.shard_resizes)
+        recoveries = group.recoveries
         self.recoveries.inc(len(recoveries) - self._recoveries)
         self._recoveries = len(recoveries)
         self.ingested.inc(learner.ingested - self._ingested)
