@@ -118,9 +118,18 @@ def shrink_then_grow(learner) -> None:
 
 
 def test_an_operator_shrinks_and_grows_the_group_mid_run(ray_session, wiki, fixed, quick_polls):
-    got = run(config({"min": 1, "max": 2}), wiki, shrink_then_grow)
+    told: list = []
+
+    def during(learner) -> None:  # the controller's hook sees each resize start and end
+        learner.group.on_change = lambda kind, why: told.append((kind, why))
+        shrink_then_grow(learner)
+
+    got = run(config({"min": 1, "max": 2}), wiki, during)
     sizes = [(r["from"], r["to"]) for r in got["resizes"]]
     assert sizes == [(2, 1), (1, 2)], got["resizes"]
+    assert [kind for kind, _ in told] == ["resizing", "settled"] * 2, told
+    assert told[0][1] == "trainers: target 1 < 2 trainers", told
+    assert told[2][1].startswith("trainers: 1 slot placed"), told
     assert got["trainer_steps"] == [fixed["steps"]] * 2  # the joined member: every step
     assert_close_run(got, fixed)
 

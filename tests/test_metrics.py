@@ -91,7 +91,8 @@ def test_resizes_and_recoveries_are_counted_once_each():
     counted once, by direction, and so is each recovery (from the groups' event lists)."""
     from types import SimpleNamespace
 
-    group = SimpleNamespace(num_trainers=2, resizes=[], recoveries=[], alive=lambda: (2, 1))
+    group = SimpleNamespace(num_trainers=2, resizes=[], recoveries=[], shard_resizes=[],
+                            shard_actors=1, alive=lambda: (2, 1))  # fmt: skip
     learner = SimpleNamespace(group=group, ingested=0, cursor=SimpleNamespace(step=0))
     metrics = RunMetrics(0)
     try:

@@ -14,6 +14,7 @@ from tidegraph.orchestrator import Orchestrator, RunState
 from tidegraph.orchestrator.ray_group import PlacementTimeout, RayGroup
 from tidegraph.runtime import set_determinism
 from tidegraph.training import ContinualLearner, RunConfig, load_stream
+from tidegraph.training.protocol import Group
 
 sys.path.insert(0, str(Path(__file__).parent))
 import reference_run  # noqa: E402
@@ -95,6 +96,8 @@ def test_actors_are_named_in_the_run_namespace_and_released(ray_session, wiki):
         assert ray.get_actor(name, namespace="tidegraph-test-run") is not None
     assert set(group.placement()) == set(names[:4])
     assert group.alive() == (2, 2)
+    assert isinstance(group, Group)  # the interface the learner and controller use
+    assert group.shard_actors == 2 and group.supports_update_log
     os.kill(ray.get(group.trainers[1].pid.remote()), signal.SIGKILL)  # the name outlives it
     ray.kill(group.shards[0].actor)
     for _ in range(100):  # the GCS learns of the deaths asynchronously: bounded wait

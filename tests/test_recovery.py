@@ -201,6 +201,8 @@ def orchestrated(cfg: RunConfig, wiki, tmp_path, name: str, due) -> tuple[dict, 
         finally:
             orchestrator.close()
     assert killed.is_set()
+    moves = [(a.value, b.value) for a, b, _, _ in orchestrator.transitions]
+    assert ("running", "recovering") in moves, moves  # the group told the controller
     return got, learner, orchestrator.restarts
 
 

@@ -5,8 +5,16 @@
   cluster can place them) and the learner over it -> RUNNING;
 - RUNNING: phase 1, then one increment per call (ingest, evaluate, retrain) -> RUNNING, and
   after the last increment the summary -> FINISHED;
-- any failure -> ERRORED, with the exception kept as `error` (RECOVERING and RESIZING come with
-  the recovery and elasticity work; their decisions will be pure policies).
+- RECOVERING, RESIZING: entered while the group brings lost members back or changes its
+  membership (trainers resized, shards moved or their actors resized, replicas added). The
+  group acts at a step boundary inside RUNNING's unit of work (no finished step is repeated,
+  so the work goes on where it was) and tells the controller through its `on_change` hook;
+  the state is back to RUNNING when the group has settled;
+- RESTARTING: no trainer replica is left (`NoReplicaLeft`): the next step releases the
+  group and goes back to SCHEDULING from the newest checkpoint (within the restart budget);
+- any other failure -> ERRORED, with the exception kept as `error`.
+Every change of state is logged ("controller: running -> recovering (why)"), kept in
+`transitions` and, with metrics, shown as the Prometheus state set `tidegraph_controller_state`.
 With a `RunDir`, ingested events go to its durable event log first, a checkpoint (every piece of
 state, with the log offset) is written after phase 1, every `checkpoint_every` increments and
 at the end, and `resume` restores the newest one before RUNNING.
@@ -27,6 +35,7 @@ import dataclasses
 import enum
 import json
 import logging
+import time
 from collections.abc import Callable
 
 from tidegraph.recovery.policy import NoReplicaLeft
@@ -43,11 +52,25 @@ log = logging.getLogger(__name__)
 class RunState(enum.Enum):
     SCHEDULING = "scheduling"
     RUNNING = "running"
+    RECOVERING = "recovering"
+    RESIZING = "resizing"
+    RESTARTING = "restarting"
     FINISHED = "finished"
     ERRORED = "errored"
 
 
 TERMINAL = (RunState.FINISHED, RunState.ERRORED)
+# what a group's `on_change(kind, why)` reports -> the state the controller enters
+GROUP_CHANGES = {"recovering": RunState.RECOVERING, "resizing": RunState.RESIZING,
+                 "settled": RunState.RUNNING}  # fmt: skip
+
+# why the controller moved, when the move itself says it
+WHY = {
+    (RunState.SCHEDULING, RunState.RUNNING): "the group is placed",
+    (RunState.RECOVERING, RunState.RUNNING): "the group has settled",
+    (RunState.RESIZING, RunState.RUNNING): "the group has settled",
+    (RunState.RUNNING, RunState.FINISHED): "the last increment is done",
+}
 
 
 class Orchestrator:
@@ -73,12 +96,15 @@ class Orchestrator:
         self.follow_timeout = follow_timeout
         self._saved: dict | None = None  # the checkpoint a resumed run continues from
         self.metrics = metrics  # a RunMetrics, updated after every record
+        if metrics is not None:
+            metrics.controller_state(RunState.SCHEDULING.value)
         self.run_dir = run_dir
         self.resume = resume
         self.stream = stream
         self.group_factory = group
         self.on_record = on_record or (lambda record: None)
         self.state = RunState.SCHEDULING
+        self.transitions: list[tuple] = []  # (from, to, why, unix time) of every change
         self.learner: ContinualLearner | None = None
         self.result: dict | None = None
         self.error: BaseException | None = None
@@ -89,16 +115,42 @@ class Orchestrator:
         if self.state in TERMINAL:
             return self.state
         try:
-            self.state = self._advance()
+            if self.state is RunState.RESTARTING:
+                self._enter(self._restart(), "the new group starts from the newest checkpoint")
+            else:
+                self._enter(self._advance())
         except NoReplicaLeft as exc:
-            if not self._restart(exc):
-                log.error("run failed in state %s: %s", self.state.value, exc)
-                self.error, self.state = exc, RunState.ERRORED
+            if self._may_restart():
+                self._enter(RunState.RESTARTING, str(exc))
+            else:
+                self._fail(exc)
         except Exception as exc:  # the run fails as a whole; the error is reported, not lost
-            log.error("run failed in state %s: %s", self.state.value, exc)
-            self.error = exc
-            self.state = RunState.ERRORED
+            self._fail(exc)
         return self.state
+
+    def _fail(self, exc: BaseException) -> None:
+        log.error("run failed in state %s: %s", self.state.value, exc)
+        self.error = exc
+        self._enter(RunState.ERRORED, f"{type(exc).__name__}: {exc}")
+
+    def _enter(self, state: RunState, why: str = "") -> None:
+        """Make `state` the current state; a change is logged, kept and published."""
+        old, self.state = self.state, state
+        if state is old:
+            return
+        why = why or WHY.get((old, state), "")
+        self.transitions.append((old, state, why, time.time()))
+        log.info("controller: %s -> %s%s", old.value, state.value, f" ({why})" if why else "")
+        if self.metrics is not None:
+            self.metrics.controller_state(state.value)
+
+    def _group_changed(self, kind: str, why: str) -> None:
+        """The group's `on_change` hook: it starts recovering or resizing, or has settled."""
+        state = GROUP_CHANGES[kind]
+        if state is RunState.RUNNING and self.state not in (RunState.RECOVERING,
+                                                           RunState.RESIZING):  # fmt: skip
+            return  # settled from a change this controller did not see start
+        self._enter(state, why)
 
     def run(self) -> dict:
         """Step until FINISHED (returns the summary) or ERRORED (raises the error)."""
@@ -109,27 +161,26 @@ class Orchestrator:
             raise self.error
         return self.result
 
-    def _restart(self, cause: NoReplicaLeft) -> bool:
+    def _may_restart(self) -> bool:
+        """Whether a run that lost every trainer replica restarts from a checkpoint: with a
+        run directory, within the restart budget (`cluster.max_recoveries`)."""
+        return self.run_dir is not None and self.restarts < self.config.cluster.max_recoveries
+
+    def _restart(self) -> RunState:
         """No trainer replica is left: start a new group from the newest checkpoint (or
         from the beginning before the first; the steps since it are computed again), as a
-        resubmitted job would. False without a run directory or when the restart budget is
-        spent."""
-        if self.run_dir is None:
-            return False
-        if self.restarts >= self.config.cluster.max_recoveries:
-            return False
+        resubmitted job would."""
         self.restarts += 1
         log.warning(
-            "%s: restarting from checkpoint %s (restart %d); the steps since it run again",
-            cause, self.run_dir.latest_name() or "(none yet: the beginning)", self.restarts,
+            "restarting from checkpoint %s (restart %d); the steps since it run again",
+            self.run_dir.latest_name() or "(none yet: the beginning)", self.restarts,
         )  # fmt: skip
         self.close()
         self.learner, self.resume = None, True
         if self.config.cluster.faults:
             log.warning("injected faults (cluster.faults) apply to the first group only")
             self.config.cluster.faults = []
-        self.state = RunState.SCHEDULING
-        return True
+        return RunState.SCHEDULING
 
     def close(self) -> None:
         if self.learner is not None:
@@ -151,7 +202,8 @@ class Orchestrator:
                 self.run_dir.save_config(self.config.to_dict())
             self._open_update_log()
             g = self.learner.group
-            if self.run_dir is not None and hasattr(g, "snapshot_source"):
+            g.on_change = self._group_changed
+            if self.run_dir is not None:
                 g.snapshot_source = self._group_snapshot
             log.info(
                 "placed %d shards and %d trainers (%s backend, node state %s)",
@@ -196,7 +248,7 @@ class Orchestrator:
         checkpoint instead of computing them (`recovery.updatelog`)."""
         every = self.config.cluster.update_log_every
         group = self.learner.group
-        if self.run_dir is None or not self.run_dir.local or not hasattr(group, "set_update_log"):
+        if self.run_dir is None or not self.run_dir.local or not group.supports_update_log:
             if every:
                 log.warning("cluster.update_log_every: the update log needs the ray backend and "
                             "a run directory on a file system; not logging")  # fmt: skip

@@ -15,7 +15,10 @@ Names (all prefixed `tidegraph_`):
 - `trainers_alive`, `shards_alive`: actors the GCS reports alive at the last update;
 - `trainers`: the trainer group's size; `resizes_total{direction}` (grow, shrink) and
   `recoveries_total`: membership changes so far (each is a line of metrics.jsonl too);
-- `shard_actors`: the actors holding the run's partitions; `shard_resizes_total{direction}`.
+- `shard_actors`: the actors holding the run's partitions; `shard_resizes_total{direction}`;
+- `controller_state{tidegraph_controller_state}`: the run controller's state (a state set: 1
+  for the current one of scheduling, running, recovering, resizing, restarting, finished,
+  errored; 0 for the others).
 Each run has its own registry, so several runs in one process do not collide.
 """
 
@@ -23,12 +26,13 @@ from __future__ import annotations
 
 import logging
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, start_http_server
 
 __all__ = ["RunMetrics"]
 
 log = logging.getLogger(__name__)
 
+STATES = ("scheduling", "running", "recovering", "resizing", "restarting", "finished", "errored")
 PHASES = ("sample", "fetch", "compute", "allreduce", "optimizer", "apply", "exchange")
 
 
@@ -62,11 +66,16 @@ class RunMetrics:
                                   registry=r)  # fmt: skip
         self.shard_resizes = Counter("tidegraph_shard_resizes", "changes of the shard-actor "
                                      "count", ["direction"], registry=r)  # fmt: skip
+        self.state = Enum("tidegraph_controller_state", "the run controller's state",
+                          states=list(STATES), registry=r)  # fmt: skip
         self._resizes = self._recoveries = self._shard_resizes = 0
         self._ingested = self._steps = self._sent = 0
         self.server, _ = start_http_server(port, addr=host, registry=r)
         self.port = self.server.server_port
         log.info("Prometheus metrics on http://%s:%d/metrics", host, self.port)
+
+    def controller_state(self, state: str) -> None:
+        self.state.state(state)
 
     def observe(
         self, learner, record: dict, seconds: list[dict], grad_values: int, comm=None
@@ -78,17 +87,15 @@ class RunMetrics:
         self.trainers.set(trainers)
         self.shards.set(shards)
         self.size.set(group.num_trainers)
-        resizes = getattr(group, "resizes", [])
-        for event in resizes[self._resizes :]:
+        for event in group.resizes[self._resizes :]:
             self.resizes.labels("grow" if event["to"] > event["from"] else "shrink").inc()
-        self._resizes = len(resizes)
-        if hasattr(group, "shard_resizes"):
-            self.shard_actors.set(len(group._shard_hosts()))
-            for event in group.shard_resizes[self._shard_resizes :]:
-                direction = "grow" if event["to"] > event["from"] else "shrink"
-                self.shard_resizes.labels(direction).inc()
-            self._shard_resizes = len(group.shard_resizes)
-        recoveries = getattr(group, "recoveries", [])
+        self._resizes = len(group.resizes)
+        self.shard_actors.set(group.shard_actors)
+        for event in group.shard_resizes[self._shard_resizes :]:
+            direction = "grow" if event["to"] > event["from"] else "shrink"
+            self.shard_resizes.labels(direction).inc()
+        self._shard_resizes = len(group.shard_resizes)
+        recoveries = group.recoveries
         self.recoveries.inc(len(recoveries) - self._recoveries)
         self._recoveries = len(recoveries)
         self.ingested.inc(learner.ingested - self._ingested)

@@ -39,12 +39,8 @@ from tidegraph.actors.shard import PartHandle, ShardHostActor
 from tidegraph.actors.trainer import ALL_SLICES
 from tidegraph.elastic.policy import ResizeDecision, plan_parts, plan_resize, scaled
 from tidegraph.recovery.policy import NoReplicaLeft, plan_trainer_recovery
-from tidegraph.rng import load_generator_state, seed_for, stream
 from tidegraph.storage.events import EventBatch
-from tidegraph.storage.partition import build_partitioner, partition_report
-from tidegraph.training.balance import SliceBalancer
-from tidegraph.training.group import check_placement, choose_memory_placement, state_row_bytes
-from tidegraph.training.schedule import batch_start, train_slices
+from tidegraph.training.groupcore import GroupCore, shard_args
 from tidegraph.training.shard import route_batch
 
 __all__ = ["NoReplicaLeft", "PlacementTimeout", "RayGroup"]
@@ -175,8 +171,10 @@ class PlacementTimeout(RuntimeError):
     """The cluster did not offer the resources a group needs within the wait."""
 
 
-class RayGroup:
+class RayGroup(GroupCore):
     """P shard actors and W trainer actors of one run (Ray must be initialized)."""
+
+    supports_update_log = True  # trainer actors write it (`recovery.updatelog`)
 
     placement_wait_s = 120.0  # tests set it lower
     pipeline_depth = 4  # training steps submitted ahead of the oldest unfinished one
@@ -190,17 +188,9 @@ class RayGroup:
     ) -> None:
         if not ray.is_initialized():
             raise RuntimeError("RayGroup: call ray.init (tidegraph.orchestrator.cluster) first")
+        self._init_core(config, num_nodes, edge_dim, expected_nodes)
         c = config.cluster
-        self.config = config
-        self.num_shards, self.num_trainers = c.shards, c.trainers
         self.namespace = config.run_name or "tidegraph"
-        self.partitioner = build_partitioner(c.partitioner, c.shards)
-        self.feature_gen = stream(config.seed, "features")  # stored-feature rounding
-        self.balancer = SliceBalancer(config.sampler.fanouts, c.rebalance_tolerance)
-        row_bytes = state_row_bytes(config, edge_dim)
-        expected = num_nodes if expected_nodes is None else expected_nodes
-        self.memory_placement = choose_memory_placement(c, expected, row_bytes)
-        self.sharded = self.memory_placement == "sharded" and row_bytes > 0
         self.num_rows = 0
         self.ingests: list[tuple] = []  # (lo, hi, feature-rounding state) of every ingest
         self.replay_source = None  # (lo, hi) -> the stream's events [lo, hi)
@@ -353,15 +343,9 @@ class RayGroup:
     def _part_args(self, p: int) -> tuple[tuple, dict]:
         """(args, kwargs) of partition `p`'s `ShardCore` (its seeds are the partition's, so
         it samples and rounds the same on any actor)."""
-        config = self.config
-        edge_dim, cuda = self._shard_args
-        return (p, config.cluster.shards), dict(
-            edge_dim=edge_dim, feature_precision=config.data.feature_precision,
-            strategy=config.sampler.strategy, seed=seed_for(config.seed, "sampler", p),
-            feature_seed=seed_for(config.seed, "features", p),
-            graph_device=config.graph_device, pin_memory=cuda,
-            state_model=self._state_model(edge_dim) if self.sharded else None,
-        )  # fmt: skip
+        edge_dim, _ = self._shard_args
+        return shard_args(self.config, p, edge_dim,
+                          self._state_model(edge_dim) if self.sharded else None)  # fmt: skip
 
     def _slot(self):
         """A placement group for one trainer (pending until Ray finds room for it)."""
@@ -484,9 +468,7 @@ class RayGroup:
         if span is not None:
             self.ingests.append((int(span[0]), int(span[1]), self.feature_gen.get_state()))
             self._note("ingest", len(self.ingests) - 1)
-        pieces = route_batch(self.partitioner, events, self.config.data.feature_precision,
-                             self.feature_gen)  # fmt: skip
-        self.balancer.ingest(events)
+        pieces = self._route(events)
         try:
             ray.get([s.ingest.remote(x) for p, x in enumerate(pieces) for s in self._copies(p)])
         except ray.exceptions.RayActorError as exc:  # survivors have it; rebuilt ones too
@@ -543,9 +525,8 @@ class RayGroup:
         ev, weight, neg_BQ, num_observe = step["args"]
         cut = step.get("cut")
         if cut is None or len(cut) != self.num_trainers:  # a new size after a recovery
-            bounds = self.balancer.bounds(ev, neg_BQ, self.num_trainers)
-            cut = step["cut"] = [_own(args) for args in train_slices(
-                ev, weight, neg_BQ, num_observe, self.num_trainers, bounds)]  # fmt: skip
+            cut = step["cut"] = [_own(args) for args in self._train_cut(ev, weight, neg_BQ,
+                                                                        num_observe)]  # fmt: skip
         # every trainer answers (the batch's loss, every slice's updates): rank 0's go on
         step["outs"] = [t.train_and_step.options(num_returns=2).remote(*args, *step["before"])
                         for t, args in zip(self.trainers, cut, strict=True)]  # fmt: skip
@@ -620,8 +601,7 @@ class RayGroup:
         a replica, which applied them too (`cluster.shard_replicas`)."""
         for _ in range(self.config.cluster.max_recoveries + 1):
             steps = self._steps()
-            bounds = self.balancer.bounds(ev, neg_BQ, self.num_trainers)
-            slices = train_slices(ev, weight, neg_BQ, num_observe, self.num_trainers, bounds)
+            slices = self._train_cut(ev, weight, neg_BQ, num_observe)
             outs = [t.train_and_step.options(num_returns=2).remote(*_own(args))
                     for t, args in zip(self.trainers, slices, strict=True)]  # fmt: skip
             try:
@@ -663,9 +643,7 @@ class RayGroup:
         def cut(batches: list) -> list:  # each trainer's slices of these batches
             per_trainer = [[] for _ in self.trainers]
             for ev, weight, neg, num_observe in batches:
-                bounds = self.balancer.bounds(ev, neg, self.num_trainers)
-                slices = train_slices(ev, weight, neg, num_observe, self.num_trainers, bounds)
-                for w, args in enumerate(slices):
+                for w, args in enumerate(self._train_cut(ev, weight, neg, num_observe)):
                     per_trainer[w].append(_own(args))
             return per_trainer
 
@@ -774,6 +752,12 @@ class RayGroup:
         nothing is under way)."""
         decision, moves, adds, reshard = self._plan(force or self._stop_asked)
         self._stop_asked = False
+        what = [f"replicas of shards {adds}"] * bool(adds) + [f"shards {moves} move"] * bool(moves)
+        what += [f"shard actors: {reshard[2]}"] if reshard is not None else []
+        what += [f"trainers: {decision.reason}"] if decision is not None else []
+        if not what:
+            return
+        self._tell("resizing", "; ".join(what))
         try:
             for p in adds:
                 self._add_replicas(p)
@@ -785,6 +769,7 @@ class RayGroup:
                 self._resize(decision, at)
         except ray.exceptions.RayError as exc:  # a member lost meanwhile: recover instead
             self.recover(exc)
+        self._tell("settled", "resized")
 
     # ---- shards moving between nodes ----------------------------------------------------------
 
@@ -1268,7 +1253,16 @@ class RayGroup:
     def recover(self, cause: Exception) -> list:
         """`_recover` after `cause`, again as often as a further failure interrupts it
         (within the recovery budget)."""
-        return _retrying(self._recover, cause)
+        self._tell("recovering", f"after {type(cause).__name__}")
+        out = _retrying(self._recover, cause)
+        self._tell("settled", "recovered")
+        return out
+
+    def _tell(self, kind: str, why: str) -> None:
+        """Tell the controller (`on_change`) that the group starts recovering or resizing,
+        or has settled."""
+        if self.on_change is not None:
+            self.on_change(kind, why)
 
     def _recover(self, cause: Exception) -> list:
         """Bring the group back after `cause` (a failed pass): rebuild lost shards, replace
@@ -1591,17 +1585,14 @@ class RayGroup:
         self.drain()  # training steps sent before (and recovered, if need be)
         outs = []
         before = self._take_pending()
-        bounds = self.balancer.bounds(ev, neg_BQ, self.num_trainers)
-        if before and any(hi == lo for lo, hi in bounds):
+        cut, start = self._eval_cut(ev, neg_BQ)
+        if before and len(cut) < self.num_trainers:
             self._pending = before  # a trainer without a slice gets them on their own
             self._flush()
             before = []
-        start = batch_start(ev.t) if self.config.sampler.history == "batch" else None
-        for trainer, (lo, hi) in zip(self.trainers, bounds, strict=True):
-            if hi == lo:
-                continue
-            args = _own((ev.select(slice(lo, hi)), neg_BQ[lo:hi]))
-            outs.append(trainer.eval_slice.options(num_returns=3).remote(
+        for w, part, part_neg in cut:
+            args = _own((part, part_neg))
+            outs.append(self.trainers[w].eval_slice.options(num_returns=3).remote(
                 *args, observe, start, *before
             ))  # fmt: skip
         if observe and not self.sharded:
@@ -1735,11 +1726,14 @@ class RayGroup:
         self._flush()
         return self._robust(lambda: ray.get(self.trainers[0].model_state.remote()))
 
-    def report(self, src: torch.Tensor, dst: torch.Tensor) -> dict:
-        out = partition_report(src, dst, self.partitioner)
+    def _shard_events(self) -> list[int]:
         reports = self._robust(lambda: ray.get([s.report.remote() for s in self.shards]))
-        out["shard_events"] = [r["events"] for r in reports]
-        return out
+        return [r["events"] for r in reports]
+
+    @property
+    def shard_actors(self) -> int:
+        """Actors holding the run's partitions."""
+        return len(self._shard_hosts())
 
     def alive(self) -> tuple[int, int]:
         """(trainers, shards) whose actors the GCS reports alive (a killed actor's name can
@@ -1785,10 +1779,7 @@ class RayGroup:
         self.drain()
         return {
             "journal_pos": self._cut_journal(),
-            "memory_placement": self.memory_placement,
-            "partitioner": self.partitioner.state_dict(),
-            "feature_gen": self.feature_gen.get_state(),
-            "balancer": self.balancer.state_dict(),
+            **self._common_state(),
             "ingests": list(self.ingests),
             "start_trainers": self.start_trainers,  # W0 of `cluster.scale_rule`
             "shards": self._robust(lambda: ray.get([s.state_dict.remote() for s in self.shards])),
@@ -1798,10 +1789,7 @@ class RayGroup:
     def load_state_dict(self, state: dict) -> None:
         self.drain()
         self._flush()
-        check_placement(state, self.memory_placement)
-        self.partitioner.load_state_dict(state["partitioner"])
-        load_generator_state(self.feature_gen, state["feature_gen"], "feature rounding")
-        self.balancer.load_state_dict(state["balancer"])
+        self._load_common_state(state)
         self.ingests = list(state["ingests"])
         self._journal, self._journal_cuts = [], []
         self._journal_base = state.get("journal_pos", 0)

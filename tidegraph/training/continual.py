@@ -172,8 +172,8 @@ class ContinualLearner:
     def _follow_batch(self) -> None:
         """After an increment: when the group's global training batch changed with its size
         (`cluster.scale_rule` linear or sqrt), the later increments train with it."""
-        batch = getattr(self.group, "train_batch_size", None)
-        if batch is None or batch == self.schedule.train_batch or self.done:
+        batch = self.group.train_batch_size
+        if batch == self.schedule.train_batch or self.done:
             return
         log.info("training batches of %d events from the next increment (was %d)", batch,
                  self.schedule.train_batch)  # fmt: skip
@@ -196,7 +196,7 @@ class ContinualLearner:
     def _whole_passes(self) -> bool:
         """Whether the group runs a whole pass per call (Ray trainers that exchange node-state
         updates among themselves, so the driver sends a pass's batches once)."""
-        return getattr(self.group, "runs_passes", False)
+        return self.group.runs_passes
 
     def _run_pass(self, first: Unit) -> None:
         """The units of one training or evaluation pass, as one call to the group: inputs
@@ -582,7 +582,7 @@ class ContinualLearner:
         kinds = (("resize", "resizes"), ("recovery", "recoveries"),
                  ("shard_move", "shard_moves"), ("shard_resize", "shard_resizes"))  # fmt: skip
         for kind, name in kinds:
-            events = getattr(self.group, name, [])
+            events = getattr(self.group, name)  # the membership lists of `Group`
             seen = self._membership_seen.get(kind, 0)
             out += [{"phase": kind, **e} for e in events[seen:]]
             self._membership_seen[kind] = len(events)

@@ -23,14 +23,13 @@ import torch
 
 from tidegraph.comm.gradsync import compressing, reduce_in_process_
 from tidegraph.models.config import build_model
-from tidegraph.rng import load_generator_state, seed_for, stream
+from tidegraph.rng import stream
 from tidegraph.sampling.multihop import MultiHopSampler
 from tidegraph.storage.events import EventBatch
-from tidegraph.storage.partition import build_partitioner, partition_report
-from tidegraph.training.balance import SliceBalancer
 from tidegraph.training.fetch import ShardedFeatureStore
-from tidegraph.training.schedule import batch_start, train_slices
-from tidegraph.training.shard import ShardCore, route_batch
+from tidegraph.training.groupcore import GroupCore, shard_args
+from tidegraph.training.placement import check_placement, choose_memory_placement, state_row_bytes
+from tidegraph.training.shard import ShardCore
 from tidegraph.training.state import ShardedStateSource
 from tidegraph.training.trainer import TrainerCore
 
@@ -45,59 +44,28 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-def choose_memory_placement(cluster, num_nodes: int, row_bytes: int) -> str:
-    """`cluster.memory`, with "auto" resolved by the size rule; logs the choice and why."""
-    total = num_nodes * row_bytes
-    budget = cluster.memory_budget_mb * 2**20
-    if cluster.memory != "auto":
-        log.info(
-            "memory placement %s (configured); node state %d nodes x %d B = %.1f MB",
-            cluster.memory, num_nodes, row_bytes, total / 2**20,
-        )  # fmt: skip
-        return cluster.memory
-    choice = "replicated" if total <= budget else "sharded"
-    log.info(
-        "memory placement %s: node state %d nodes x %d B = %.1f MB %s the %.0f MB budget",
-        choice, num_nodes, row_bytes, total / 2**20, "fits" if total <= budget else "exceeds",
-        cluster.memory_budget_mb,
-    )  # fmt: skip
-    return choice
+class LocalGroup(GroupCore):
+    """Shards and trainers of one run, all in this process (it neither loses members nor
+    changes them: its membership lists stay empty)."""
 
-
-class LocalGroup:
-    """Shards and trainers of one run, all in this process."""
+    supports_update_log = False  # the update log is written by trainer actors
 
     def __init__(
         self, config, num_nodes: int, edge_dim: int, expected_nodes: int | None = None
     ) -> None:
+        self._init_core(config, num_nodes, edge_dim, expected_nodes)
         c = config.cluster
-        s = config.sampler
-        self.config = config
-        self.num_shards, self.num_trainers = c.shards, c.trainers
-        self.partitioner = build_partitioner(c.partitioner, c.shards)
-        # stochastic rounding of stored features (int8, bf16): one stream, whatever P
-        self.feature_gen = stream(config.seed, "features")
-        self.balancer = SliceBalancer(config.sampler.fanouts, c.rebalance_tolerance)
-        snaps = s.num_snapshots
-        row_bytes = state_row_bytes(config, edge_dim)
-        expected = num_nodes if expected_nodes is None else expected_nodes
-        self.memory_placement = choose_memory_placement(c, expected, row_bytes)
-        sharded = self.memory_placement == "sharded" and row_bytes > 0
+        sharded = self.sharded
         states = [None] * c.shards
         if sharded:  # each shard's node-state tables, held by a model instance of its own
+            snaps = config.sampler.num_snapshots
             with torch.random.fork_rng(devices=[]):
                 states = [build_model(config.model, 0, edge_dim, num_snapshots=snaps)
                           for _ in range(c.shards)]  # fmt: skip
-        self.shards = [
-            ShardCore(
-                p, c.shards, edge_dim=edge_dim, feature_precision=config.data.feature_precision,
-                strategy=s.strategy, seed=seed_for(config.seed, "sampler", p),
-                feature_seed=seed_for(config.seed, "features", p),
-                graph_device=config.graph_device, pin_memory=config.device.startswith("cuda"),
-                state_model=states[p],
-            )
-            for p in range(c.shards)
-        ]  # fmt: skip
+        self.shards = []
+        for p in range(c.shards):
+            args, kwargs = shard_args(config, p, edge_dim, states[p])
+            self.shards.append(ShardCore(*args, **kwargs))
         self.state_shards = self.shards if sharded else None
         self.trainers = [
             build_trainer(config, w, self.shards, self._owner, num_nodes, edge_dim, sharded)
@@ -113,9 +81,7 @@ class LocalGroup:
         """Route events to their shards (both endpoints' owners), grow trainers' node tables.
         (`span`, the events' positions in the stream, matters to groups that can lose a
         shard; in one process none is lost.)"""
-        precision = self.config.data.feature_precision
-        pieces = route_batch(self.partitioner, events, precision, self.feature_gen)
-        self.balancer.ingest(events)
+        pieces = self._route(events)
         for shard, piece in zip(self.shards, pieces, strict=True):
             shard.ingest(piece)
         top = int(events.eid.max()) + 1 if len(events) else 0
@@ -132,8 +98,7 @@ class LocalGroup:
         """One global step over `ev` (its first `num_observe` events are recorded); returns
         the batch's mean loss."""
         results = []
-        bounds = self.balancer.bounds(ev, neg_BQ, self.num_trainers)
-        slices = train_slices(ev, weight, neg_BQ, num_observe, self.num_trainers, bounds)
+        slices = self._train_cut(ev, weight, neg_BQ, num_observe)
         for trainer, args in zip(self.trainers, slices, strict=True):
             if len(args[0]):
                 results.append(trainer.train_slice(*args))
@@ -169,19 +134,36 @@ class LocalGroup:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Scores of every slice, concatenated; with `observe`, records `ev` in node state."""
         pos, neg, updates = [], [], []
-        bounds = self.balancer.bounds(ev, neg_BQ, self.num_trainers)
-        start = batch_start(ev.t)  # every event evaluated is new
-        for trainer, (lo, hi) in zip(self.trainers, bounds, strict=True):
-            if hi == lo:
-                continue
-            part = ev.select(slice(lo, hi))
-            p, n, u = trainer.eval_slice(part, neg_BQ[lo:hi], observe, start)
+        cut, start = self._eval_cut(ev, neg_BQ)
+        for w, part, part_neg in cut:
+            p, n, u = self.trainers[w].eval_slice(part, part_neg, observe, start)
             pos.append(p)
             neg.append(n)
             updates.append(u)
         if observe:
             self._apply_state(updates)
         return torch.cat(pos), torch.cat(neg)
+
+    def train_pass(self, batches: list, progress=None) -> list:
+        """The steps of a pass, one at a time (`runs_passes` is False: the learner steps)."""
+        out = []
+        for i, batch in enumerate(batches):
+            out.append(self.train_step(*batch))
+            if progress is not None:
+                progress(i + 1)
+        return out
+
+    def eval_pass(self, batches: list, observe: bool, progress=None) -> list:
+        out = []
+        for i, (ev, neg) in enumerate(batches):
+            out.append(self.eval_step(ev, neg, observe))
+            if progress is not None:
+                progress(i + 1)
+        return out
+
+    def set_update_log(self, directory: str | None, every: int, replay=()) -> None:
+        raise ValueError("the update log (cluster.update_log_every) is written by trainer "
+                         "actors: it needs cluster.backend 'ray'")  # fmt: skip
 
     def _apply_state(self, updates: list) -> None:
         """All of a step's node-state updates, on every replica or at every shard."""
@@ -267,50 +249,29 @@ class LocalGroup:
     def shutdown(self) -> None:
         """Nothing to release in one process."""
 
-    def report(self, src: torch.Tensor, dst: torch.Tensor) -> dict:
-        """Partition quality over the events so far, and per-shard event counts."""
-        out = partition_report(src, dst, self.partitioner)
-        out["shard_events"] = [s.num_events for s in self.shards]
-        return out
+    def _shard_events(self) -> list[int]:
+        return [s.num_events for s in self.shards]
+
+    @property
+    def shard_actors(self) -> int:
+        """Shard holders: one per partition in one process."""
+        return self.num_shards
 
     # ---- state --------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
         return {
-            "memory_placement": self.memory_placement,
-            "partitioner": self.partitioner.state_dict(),
-            "feature_gen": self.feature_gen.get_state(),
-            "balancer": self.balancer.state_dict(),
+            **self._common_state(),
             "shards": [s.state_dict() for s in self.shards],
             "trainers": [t.state_dict() for t in self.trainers],
         }
 
     def load_state_dict(self, state: dict) -> None:
-        check_placement(state, self.memory_placement)
-        self.partitioner.load_state_dict(state["partitioner"])
-        load_generator_state(self.feature_gen, state["feature_gen"], "feature rounding")
-        self.balancer.load_state_dict(state["balancer"])
+        self._load_common_state(state)
         for shard, s in zip(self.shards, state["shards"], strict=True):
             shard.load_state_dict(s)
         for trainer, s in zip(self.trainers, state["trainers"], strict=True):
             trainer.load_state_dict(s)
-
-
-def check_placement(state: dict, placement: str) -> None:
-    saved = state.get("memory_placement", placement)
-    if saved != placement:
-        raise ValueError(
-            f"checkpoint keeps node state {saved}, this run places it {placement}: set "
-            f"cluster.memory: {saved} to resume it"
-        )
-
-
-def state_row_bytes(config, edge_dim: int) -> int:
-    """Bytes of node state per node of the configured model (0: no node state)."""
-    with torch.random.fork_rng(devices=[]):  # a model for its shapes: draw nothing global
-        probe = build_model(config.model, 1, edge_dim, num_snapshots=config.sampler.num_snapshots)
-    tables = probe.state_tables().values()
-    return sum(x[:1].numel() * x.element_size() for x in tables if x.dim() >= 1)
 
 
 def build_trainer(
