@@ -19,15 +19,35 @@ draining rank stays (and the run relies on recovery when its node goes).
 Shard actors (`cluster.shards: {min, max}`) hold whole partitions of a fixed P = max, so a
 change of their number only moves partitions between actors (`plan_parts`): leaving actors
 hand all theirs over, joining ones take partitions from the largest actors, and every actor
-ends with P // H or P // H + 1 of them, with as few moves as that allows.
+ends with P // H or P // H + 1 of them, with as few moves as that allows. Which actors leave
+(`plan_shard_leavers`): those on draining nodes while an actor elsewhere can take their
+partitions over, then, beyond the wanted count, those in slots of their own holding fewest
+partitions; when every actor is on a draining node, each partition moves instead to a
+successor started off it (`partitions_to_move`).
+
+Pending slots (`spare_slots`) are kept, one per member the run lacks toward its target, so
+that Ray places them as room appears.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-__all__ = ["SCALE_RULES", "ResizeDecision", "plan_parts", "plan_resize", "scaled"]
+__all__ = [
+    "SCALE_RULES",
+    "ResizeDecision",
+    "free_bundles",
+    "partitions_to_move",
+    "plan_parts",
+    "plan_resize",
+    "plan_shard_leavers",
+    "renumber",
+    "scaled",
+    "spare_slots",
+    "stays",
+]
 
 SCALE_RULES = ("keep_batch", "linear", "sqrt")
 
@@ -64,13 +84,44 @@ def plan_resize(
     join = max(0, min(ready, target - len(stay)))
     if join:
         reasons.append(f"{join} slot{'s' if join > 1 else ''} placed, target {target}")
-    if not stay and not join:  # never empty: the lowest draining rank stays for now
-        keep = min(draining)
+    keep = stays(world, leave, join)
+    if keep is not None:
         leave.remove(keep)
         reasons.append(f"no slot ready elsewhere: trainer {keep} stays")
     if not leave and not join:
         return None
     return ResizeDecision(tuple(leave), join, "; ".join(reasons))
+
+
+def stays(world: int, leave: Collection[int], join: int) -> int | None:
+    """The rank that stays when ranks `leave` would leave a group of `world` members with
+    nobody joining (`join`): the lowest of them, so that a group is never empty (the run
+    relies on recovery when its node goes); None when some member stays anyway."""
+    if join or any(w not in leave for w in range(world)):
+        return None
+    return min(leave)
+
+
+def renumber(
+    keep: Sequence[int],
+    trainers: Sequence,
+    members: Sequence[int],
+    incarnations: Sequence[int],
+    joined: Sequence[tuple[int, object]] = (),
+) -> tuple[list, list[int], list[int]]:
+    """(trainers, members, incarnations) by new rank after a resize: ranks `keep`, in their
+    order, become ranks 0, 1, ...; then the `joined` (member, trainer), none replaced yet."""
+    return (
+        [trainers[w] for w in keep] + [t for _, t in joined],
+        [members[w] for w in keep] + [m for m, _ in joined],
+        [incarnations[w] for w in keep] + [0] * len(joined),
+    )
+
+
+def spare_slots(target: int, have: int, starting: int = 0, spares: int = 0) -> int:
+    """Pending slots to keep: one per member that `have` members and `starting` ones lack
+    toward `target`, and `spares` more (trainers kept idle for a quick replacement)."""
+    return max(0, target - have - starting) + spares
 
 
 def scaled(rule: str, batch: int, lr: float, start: int, world: int) -> tuple[int, float]:
@@ -123,3 +174,41 @@ def plan_parts(
         held[dst].append(q)
         moves.append((q, src, dst))
     return moves
+
+
+def plan_shard_leavers(hosts: Mapping, draining: Collection, target: int) -> tuple[tuple, int]:
+    """(shard actors that hand their partitions over now, how many of them for draining)
+    of `hosts` {actor: (its node, whether its slot is a reserved bundle of the shards' group,
+    partitions it holds)}, in the order they took their first partition, with nodes
+    `draining` and `target` actors wanted: those on draining nodes, unless every actor is on
+    one (`partitions_to_move` then), then beyond the target those in slots of their own
+    first (reserved bundles stay taken), holding fewest partitions, the earliest first."""
+    leave = [key for key, (node, _, _) in hosts.items() if node in draining]
+    if len(leave) == len(hosts):  # nowhere to go
+        leave = []
+    drained = len(leave)
+    stay = [key for key in hosts if key not in leave]
+    extra = len(stay) - target
+    if extra > 0:
+        order = sorted(stay, key=lambda k: (hosts[k][1], hosts[k][2]))
+        leave += order[:extra]
+    return tuple(leave), drained
+
+
+def partitions_to_move(
+    nodes: Sequence, draining: Collection, wanted: Collection[int]
+) -> tuple[int, ...]:
+    """Partitions that need a successor shard (started off draining nodes) to move to, with
+    partition p's shard on `nodes[p]`: those an operator asked to move (`wanted`), and those
+    on draining nodes when no shard is elsewhere to take them over."""
+    elsewhere = any(n not in draining for n in nodes)
+    return tuple(
+        p for p, node in enumerate(nodes) if (node in draining and not elsewhere) or p in wanted
+    )
+
+
+def free_bundles(taken: Iterable[tuple], group, size: int) -> tuple[int, ...]:
+    """Bundles of placement group `group` (of `size` bundles) that none of the slots `taken`
+    ((placement group, bundle) pairs, groups compared by identity) uses."""
+    used = {b for pg, b in taken if pg is group}
+    return tuple(b for b in range(size) if b not in used)

@@ -37,11 +37,24 @@ from ray.util.scheduling_strategies import (
 from tidegraph.actors import CoordinatorActor, TrainerActor
 from tidegraph.actors.shard import PartHandle, ShardHostActor
 from tidegraph.actors.trainer import ALL_SLICES
-from tidegraph.elastic.policy import ResizeDecision, plan_parts, plan_resize, scaled
-from tidegraph.recovery.policy import NoReplicaLeft, plan_trainer_recovery
+from tidegraph.elastic.policy import (
+    ResizeDecision,
+    free_bundles,
+    partitions_to_move,
+    plan_parts,
+    plan_resize,
+    plan_shard_leavers,
+    renumber,
+    scaled,
+    spare_slots,
+    stays,
+)
+from tidegraph.recovery.budget import RecoveryBudget
+from tidegraph.recovery.policy import NoReplicaLeft, plan_trainer_recovery, triage_recovery
+from tidegraph.recovery.shards import plan_shard_recovery, replay_ops
+from tidegraph.recovery.steps import pass_stall, plan_redo, stall_message
 from tidegraph.storage.events import EventBatch
 from tidegraph.training.groupcore import GroupCore, shard_args
-from tidegraph.training.shard import route_batch
 
 __all__ = ["NoReplicaLeft", "PlacementTimeout", "RayGroup"]
 
@@ -206,7 +219,7 @@ class RayGroup(GroupCore):
         self._journal: list[tuple] = []
         self._journal_base = 0  # the position of _journal[0] in the run's journal
         self._journal_cuts: list[int] = []  # positions at the states taken
-        self.recoveries_left = config.cluster.max_recoveries
+        self.recovery_budget = RecoveryBudget(config.cluster.max_recoveries)
         self._inflight: collections.deque[PendingLoss] = collections.deque()
         self._pending: list = []  # (seq, updates of every slice) of the last step, not sent
         self._seq = 0  # numbers the node-state updates sent to trainers (applied once each)
@@ -549,7 +562,7 @@ class RayGroup(GroupCore):
         fault-free run's. A step the group holds is answered for by any member that finished
         it (each returns every slice's updates); with none left that answers, it cannot be
         completed (`NoReplicaLeft`: the orchestrator restarts from the newest checkpoint)."""
-        for _ in range(self.config.cluster.max_recoveries + 1):
+        for _ in self.recovery_budget.tries():
             upto = next((i for i, s in enumerate(self._window) if s["pending"] is pending), None)
             if upto is None:
                 return
@@ -564,7 +577,7 @@ class RayGroup(GroupCore):
             for _ in range(upto + 1):  # done: their updates went with the steps after
                 self._window.popleft()
             return
-        raise RuntimeError("trainer recovery: the retry budget is spent")
+        raise self.recovery_budget.error("trainer")
 
     def _redo(self, cause: Exception) -> None:
         """Recover after `cause` and send again the steps of the window the group does not
@@ -573,8 +586,9 @@ class RayGroup(GroupCore):
             self.recover(cause)
         done = self._steps()
         window = list(self._window)
-        for step in window:
-            if step["index"] < done:  # the group holds it: any member's answer is all of it
+        plan = plan_redo([s["index"] for s in window], done)
+        for step, redo in zip(window, plan, strict=True):
+            if redo.held:  # the group holds it: any member's answer is all of it
                 for loss, updates in step["outs"]:
                     with contextlib.suppress(ray.exceptions.RayError):
                         ray.get([loss, updates])
@@ -584,13 +598,12 @@ class RayGroup(GroupCore):
                 else:
                     raise NoReplicaLeft("no trainer that finished a step answered for it")
                 continue
-            previous = next((s for s in window if s["index"] == step["index"] - 1), None)
-            if previous is not None:  # the step before was sent again, too
-                step["before"] = previous["after"]
+            if redo.before is not None:  # the step before is in the window, too
+                step["before"] = window[redo.before]["after"]
             self._pending = []  # each step carries the updates before it
             self._submit(step)
         log.warning("step recovery: %d steps of the window sent again from step %d",
-                    sum(s["index"] >= done for s in window), done)  # fmt: skip
+                    sum(not r.held for r in plan), done)  # fmt: skip
 
     def _sharded_step(self, ev, weight, neg_BQ, num_observe: int) -> PendingLoss:
         """A training step with node state on the shards (a task per step), recovered when
@@ -599,7 +612,7 @@ class RayGroup(GroupCore):
         lost after the all-reduce: survivors stepped and replacements copy one) or not (it
         is run again); a shard copy lost while applying the step's updates is replaced by
         a replica, which applied them too (`cluster.shard_replicas`)."""
-        for _ in range(self.config.cluster.max_recoveries + 1):
+        for _ in self.recovery_budget.tries():
             steps = self._steps()
             slices = self._train_cut(ev, weight, neg_BQ, num_observe)
             outs = [t.train_and_step.options(num_returns=2).remote(*_own(args))
@@ -621,7 +634,7 @@ class RayGroup(GroupCore):
             pending = PendingLoss([o[0] for o in outs])
             pending.value()
             return pending
-        raise RuntimeError("trainer recovery: the retry budget is spent")
+        raise self.recovery_budget.error("trainer")
 
     def _steps(self) -> int:
         return self._robust(lambda: ray.get(self.trainers[0].call.remote("__getattribute__",
@@ -687,12 +700,11 @@ class RayGroup(GroupCore):
                 results += self._wait_pass(refs, shifted)[0]
             except ray.exceptions.RayError as exc:
                 results += self.recover(exc)
-                stalled = stalled + 1 if len(results) == done else 0
-                if stalled >= 3:
+                stalled, stuck = pass_stall(stalled, done, len(results))
+                if stuck:
+                    last_lost = self.recoveries[-1]["lost"]
                     raise RuntimeError(
-                        f"trainers keep failing at step {done} of a {method} of "
-                        f"{len(batches)} steps ({stalled} recoveries without progress); "
-                        f"last lost: {self.recoveries[-1]['lost']}"
+                        stall_message(method, done, len(batches), stalled, last_lost)
                     ) from exc
                 continue
             if len(results) < len(batches):  # stopped early: resize, then go on
@@ -877,10 +889,8 @@ class RayGroup(GroupCore):
         to move; a successor that failed is dropped (and started again at the next look)."""
         up = []
         nodes = self._shard_nodes()
-        elsewhere = any(n not in draining for n in nodes)  # hosts there take them over
-        for p, node in enumerate(nodes):
-            if (node not in draining or elsewhere) and p not in self._wanted_moves:
-                continue
+        for p in partitions_to_move(nodes, draining, self._wanted_moves):
+            node = nodes[p]
             successor = self.shard_successors.get(p)
             if successor is None:
                 slot = placement_group([{"CPU": self.config.cluster.shard_cpus}])
@@ -982,7 +992,7 @@ class RayGroup(GroupCore):
         first actors start, the run has its minimum in the SPREAD group."""
         started = bool(getattr(self, "shards", None))
         have = len(self._shard_hosts()) if started else self.min_shards
-        want = max(0, self.shard_target - have - len(self.shard_joiners))
+        want = spare_slots(self.shard_target, have, len(self.shard_joiners))
         free = self._free_bundles() if started else []
         while len(self.shard_spares) < want:  # bundles of the SPREAD group no actor uses first
             slot = (self.shard_pg, free.pop(0)) if free else \
@@ -999,8 +1009,7 @@ class RayGroup(GroupCore):
         or starting actor (an actor that left gave its bundle back to the run)."""
         taken = [*self.shard_slots, *(x for slots in self.replica_slots for x in slots),
                  *self.shard_spares, *(j[0] for j in self.shard_joiners.values())]  # fmt: skip
-        used = {b for pg, b in taken if pg is self.shard_pg}
-        return [b for b in range(self.min_shards * self.num_copies) if b not in used]
+        return list(free_bundles(taken, self.shard_pg, self.min_shards * self.num_copies))
 
     def _shard_joiners_up(self, draining) -> list[tuple]:
         """Hosts started in spare shard slots that are up (to take partitions over at a
@@ -1028,23 +1037,14 @@ class RayGroup(GroupCore):
         self._top_up_shards()
         return up
 
-    def _shard_leavers(self, draining) -> tuple[list[str], int]:
+    def _shard_leavers(self, draining) -> tuple[tuple[str, ...], int]:
         """Hosts that should hand their partitions over now: those on draining nodes (while
-        a host elsewhere can take them), then the newest beyond the wanted count; and how
-        many of them are draining."""
-        hosts = self._shard_hosts()
-        nodes = {key: _slot_node(*slot) for key, (_, slot, _) in hosts.items()}
-        leave = [key for key in hosts if nodes[key] in draining]
-        if len(leave) == len(hosts):  # nowhere to go: successors start (`_successors_up`)
-            leave = []
-        drained = len(leave)
-        stay = [key for key in hosts if key not in leave]
-        extra = len(stay) - self.shard_target
-        if extra > 0:  # own slots first (the SPREAD group's bundles stay reserved), fewest parts
-            order = sorted(stay, key=lambda k: (hosts[k][1][0] is self.shard_pg,
-                                                len(hosts[k][2])))  # fmt: skip
-            leave += order[:extra]
-        return leave, drained
+        a host elsewhere can take them), then beyond the wanted count those in slots of
+        their own holding fewest partitions; and how many of them are draining
+        (`elastic.policy.plan_shard_leavers`)."""
+        hosts = {key: (_slot_node(*slot), slot[0] is self.shard_pg, len(parts))
+                 for key, (_, slot, parts) in self._shard_hosts().items()}  # fmt: skip
+        return plan_shard_leavers(hosts, draining, self.shard_target)
 
     def _reshard(self, joining: list[tuple], leaving: list[str], reason: str, at: str) -> None:
         """Move partitions so that hosts `leaving` hold none and `joining` ones (slot, actor)
@@ -1123,8 +1123,9 @@ class RayGroup(GroupCore):
         self._flush()  # node-state updates reach the current members before a copy is taken
         old, leave = self.num_trainers, set(d.leave)
         slots = self._joiners_up(_draining_nodes())[: d.join]
-        if len(leave) == old and not slots:  # a joiner failed meanwhile: one stays
-            leave.discard(min(leave))
+        keep = stays(old, leave, len(slots))
+        if keep is not None:  # a joiner failed meanwhile: one stays
+            leave.discard(keep)
         stay = [w for w in range(old) if w not in leave]
         world = len(stay) + len(slots)
         source = self.trainers[stay[0] if stay else min(leave)]
@@ -1142,9 +1143,8 @@ class RayGroup(GroupCore):
         for w in sorted(leave):
             ray.kill(self.trainers[w])
             remove_placement_group(self.member_slots.pop(self.members[w]))
-        self.trainers = [self.trainers[w] for w in stay] + [a for _, a in new]
-        self.members = [self.members[w] for w in stay] + [m for m, _ in new]
-        self.incarnations = [self.incarnations[w] for w in stay] + [0] * len(new)
+        self.trainers, self.members, self.incarnations = renumber(
+            stay, self.trainers, self.members, self.incarnations, new)  # fmt: skip
         self.num_trainers = world
         ray.get([t.set_rank.remote(r, world) for r, t in enumerate(self.trainers)])
         if new:
@@ -1213,7 +1213,7 @@ class RayGroup(GroupCore):
     def _top_up(self) -> None:
         """Keep one spare slot per trainer the group lacks toward its target (Ray places
         them as resources appear, and a trainer starts in each); drop spares beyond it."""
-        want = max(0, self.target - self.num_trainers) + _spares(self.config.cluster)
+        want = spare_slots(self.target, self.num_trainers, spares=_spares(self.config.cluster))
         while len(self.spares) < want:
             self.spares.append(self._slot())
         while len(self.spares) > want:
@@ -1232,6 +1232,11 @@ class RayGroup(GroupCore):
         })  # fmt: skip
 
     # ---- recovery -----------------------------------------------------------------------------
+
+    @property
+    def recoveries_left(self) -> int:
+        """Recoveries the run may still make (`recovery.budget`; below 0 once spent)."""
+        return self.recovery_budget.left
 
     def _probe(self) -> list[int]:
         """Ranks of trainers that are dead, or do not answer within `probe_s` (hung: in a
@@ -1278,17 +1283,15 @@ class RayGroup(GroupCore):
         lost = sorted(set(self._probe()) | self._stale)
         lost_shards = self._probe_shards()
         lost_replicas = self._probe_replicas()  # dropped; successors start in the background
-        if not lost and not lost_shards and not lost_replicas and not _group_failure(cause):
+        triage = triage_recovery(lost, lost_shards, lost_replicas, _group_failure(cause),
+                                 len(self.trainers), self.min_trainers)  # fmt: skip
+        if triage.action == "raise":
             raise cause  # not a lost member: a real error
-        if lost_shards:
+        if triage.rebuild_shards:
             self._recover_shards(cause, lost_shards, tuple(lost))
-        if len(lost) == len(self.trainers):
-            raise NoReplicaLeft(
-                f"all {len(lost)} trainers were lost; no replica to recover from"
-            ) from cause
-        self.recoveries_left -= 1
-        if self.recoveries_left < 0:
-            raise RuntimeError("trainer recovery: the retry budget is spent") from cause
+        if triage.action == "no_replica":
+            raise NoReplicaLeft(triage.reason) from cause
+        self.recovery_budget.spend("trainer", cause)
         for w in lost:  # frees the name of one that died (a SIGKILLed actor keeps it)
             ray.kill(self.trainers[w])
         alive = [w for w in range(len(self.trainers)) if w not in lost]
@@ -1308,8 +1311,7 @@ class RayGroup(GroupCore):
         spared, dropped = [], []
         for w in plan.replace:
             self.incarnations[w] += 1
-            may_shrink = len(self.trainers) - len(dropped) > self.min_trainers
-            got = self._replacement(w, num_nodes, may_shrink)
+            got = self._replacement(w, num_nodes, triage.may_shrink(len(dropped)))
             if got is None:  # no room for a replacement in time: the group shrinks
                 dropped.append(w)
                 continue
@@ -1381,9 +1383,8 @@ class RayGroup(GroupCore):
         old = self.num_trainers
         keep = [w for w in range(old) if w not in ranks]
         left = [{"rank": w, "member": self.members[w]} for w in ranks]
-        self.trainers = [self.trainers[w] for w in keep]
-        self.members = [self.members[w] for w in keep]
-        self.incarnations = [self.incarnations[w] for w in keep]
+        self.trainers, self.members, self.incarnations = renumber(
+            keep, self.trainers, self.members, self.incarnations)  # fmt: skip
         self.num_trainers = len(keep)
         ray.get([t.set_rank.remote(r, self.num_trainers) for r, t in enumerate(self.trainers)])
         self._top_up()
@@ -1429,7 +1430,8 @@ class RayGroup(GroupCore):
         if not lost:
             raise cause
         live = [t for w, t in enumerate(self.trainers) if w not in lost_trainers]
-        promoted = [p for p in lost if self.replicas[p]]
+        plan = plan_shard_recovery(lost, [len(r) for r in self.replicas])
+        promoted = list(plan.promote)
         for p in promoted:  # a replica holds all the shard held: it takes its place
             self.shards[p] = self.replicas[p].pop(0)
             self.shard_slots[p] = self.replica_slots[p].pop(0)
@@ -1440,29 +1442,20 @@ class RayGroup(GroupCore):
                                     "events": {p: ray.get(self.shards[p].report.remote())[
                                         "events"] for p in promoted}})  # fmt: skip
             log.warning("shard recovery: replicas promoted for %s", promoted)
-        lost = [p for p in lost if p not in promoted]
+        lost = list(plan.rebuild)
         if not lost:
             self._refresh(self.num_nodes, live, recovering=True)
             return
         if self.replay_source is None:
             raise RuntimeError(f"shards {lost} were lost and no replay source is set") from cause
-        self.recoveries_left -= 1
-        if self.recoveries_left < 0:
-            raise RuntimeError("shard recovery: the retry budget is spent") from cause
+        self.recovery_budget.spend("shard", cause)
         t0 = time.perf_counter()
         self._stale_shards = set(lost)
         snap, start = self._snapshot()
-        ops = [("ingest", k) for k in range(start, len(self.ingests))]
-        if self.sharded:  # node state too: the journal since the snapshot, in order
-            since = 0 if snap is None else snap.get("journal_pos", -1)
-            if since < self._journal_base:
-                raise RuntimeError(
-                    f"shards {lost} were lost with the node state they own (cluster.memory "
-                    "'sharded') and no replica (cluster.shard_replicas), and the journal of "
-                    "node-state updates since their snapshot is gone: resume the run from "
-                    "its last checkpoint"
-                ) from cause
-            ops = self._journal[since - self._journal_base :]
+        # node state on the shards too: the journal since the snapshot, in order
+        ops = replay_ops(lost, snap, start, len(self.ingests),
+                         self._journal if self.sharded else None, self._journal_base,
+                         cause)  # fmt: skip
         where = self._rebuild_hosts(lost)
         # each lost partition as the checkpoint holds it (or empty), then the later ingests
         ray.get([actor.add_part.remote(p, *self._part_args(p),
@@ -1478,8 +1471,7 @@ class RayGroup(GroupCore):
                 lo, hi, state = self.ingests[what]
                 gen.set_state(state)
                 events = self.replay_source(lo, hi)
-                pieces = route_batch(self.partitioner, events,
-                                     self.config.data.feature_precision, gen)  # fmt: skip
+                pieces = self._pieces(events, gen)
                 for p in lost:
                     expected[p] += pieces[p].num_events
                     calls.append(self.shards[p].ingest.remote(pieces[p]))
@@ -1653,7 +1645,7 @@ class RayGroup(GroupCore):
     def _robust(self, call):
         """`call()` (driver calls that read actors); when an actor is found lost, the group
         recovers (`recover`) and the call is made again, on the new actors."""
-        for _ in range(self.config.cluster.max_recoveries + 1):
+        for _ in self.recovery_budget.tries():
             try:
                 return call()
             except ray.exceptions.RayActorError as exc:

@@ -15,13 +15,17 @@ undone, none is repeated, and no checkpoint is read. (Undoing the ahead survivor
 step would also work, but copying forward costs one state transfer the replacements need
 anyway, and it is exact, where an undo of Adam is exact only to float rounding.) With no
 survivor there is no replica: the run falls back to its last checkpoint.
+
+Before the plan, the triage (`triage_recovery`): a failure with nothing lost is re-raised unless
+it is the trainers' group failing (a collective, a rendezvous), lost shards are rebuilt first,
+and a group that lost every trainer has no replica left.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["NoReplicaLeft", "Plan", "plan_trainer_recovery"]
+__all__ = ["NoReplicaLeft", "Plan", "Triage", "plan_trainer_recovery", "triage_recovery"]
 
 
 class NoReplicaLeft(RuntimeError):
@@ -53,3 +57,40 @@ def plan_trainer_recovery(world: int, lost: list[int], done: dict[int, int]) -> 
     source = min(w for w in alive if done[w] == most)
     behind = [w for w in alive if done[w] < most]
     return Plan(source, most, tuple(lost), tuple(sorted(lost + behind)))
+
+
+@dataclass(frozen=True)
+class Triage:
+    """What a recovery does after a failure, from what the probes found lost."""
+
+    action: str  # "raise": the cause again (nothing lost); "no_replica"; "recover"
+    rebuild_shards: tuple[int, ...]  # lost shards, rebuilt first (before "no_replica" too)
+    world: int  # trainers in the group
+    min_trainers: int
+    reason: str = ""  # the error's message, for "no_replica"
+
+    def may_shrink(self, dropped: int) -> bool:
+        """Whether a lost rank may be dropped instead of waiting for its replacement's slot,
+        with `dropped` ranks dropped already: the group stays above its minimum."""
+        return self.world - dropped > self.min_trainers
+
+
+def triage_recovery(
+    lost: list[int],
+    lost_shards: list[int],
+    lost_replicas: list,
+    group_failure: bool,
+    world: int,
+    min_trainers: int,
+) -> Triage:
+    """The triage of a failure in a group of `world` trainers (at least `min_trainers`) that
+    lost ranks `lost`, partitions `lost_shards` and replicas `lost_replicas`;
+    `group_failure`: the failure is the trainers' collective or rendezvous (the group is
+    rebuilt even with nothing lost: a member was lost and replaced meanwhile)."""
+    shards = tuple(lost_shards)
+    if not lost and not lost_shards and not lost_replicas and not group_failure:
+        return Triage("raise", shards, world, min_trainers)
+    if len(lost) == world:
+        reason = f"all {len(lost)} trainers were lost; no replica to recover from"
+        return Triage("no_replica", shards, world, min_trainers, reason)
+    return Triage("recover", shards, world, min_trainers)
