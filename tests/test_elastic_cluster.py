@@ -106,7 +106,7 @@ def test_a_joining_node_grows_the_group_and_a_drained_one_shrinks_it(head_only, 
 def test_a_run_waits_for_its_minimum_naming_what_is_missing(head_only, wiki, caplog):
     """min 2 trainers do not fit the head: the group waits (logging the missing resources)
     and starts once a node joins (added here, in the main thread, as Ray requires)."""
-    caplog.set_level("INFO", logger="tidegraph.orchestrator.ray_group")
+    caplog.set_level("INFO", logger="tidegraph.orchestrator")
     out: dict = {}
 
     def whole_run() -> None:

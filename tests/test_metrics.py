@@ -75,6 +75,8 @@ def test_prometheus_scrapes_the_run_metrics(finished_run, tmp_path):
         assert ap == pytest.approx(learner.history[-1]["ap"], rel=1e-9)
         assert float(query(web, "tidegraph_trainers_alive")[0]["value"][1]) == 2
         assert float(query(web, "tidegraph_increments_total")[0]["value"][1]) == 2
+        state = query(web, "tidegraph_controller_state == 1")  # the run is done
+        assert [r["metric"]["tidegraph_controller_state"] for r in state] == ["finished"]
         phases = query(web, "tidegraph_step_seconds_total")
         assert {r["metric"]["phase"] for r in phases} >= {"sample", "compute", "allreduce"}
         sent = float(query(web, "tidegraph_allreduce_bytes_total")[0]["value"][1])

@@ -133,7 +133,7 @@ def test_sampling_over_shards_equals_one_graph_with_every_edge(wiki):
 
 
 def test_auto_placement_replicates_while_the_state_fits_the_budget(caplog):
-    with caplog.at_level(logging.INFO, logger="tidegraph.training.placement"):
+    with caplog.at_level(logging.INFO, logger="tidegraph.training.state_placement"):
         small = ClusterConfig(memory_budget_mb=1.0)
         assert choose_memory_placement(small, 1000, 1000) == "replicated"
         assert choose_memory_placement(small, 2000, 1000) == "sharded"

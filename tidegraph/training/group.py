@@ -28,9 +28,13 @@ from tidegraph.sampling.multihop import MultiHopSampler
 from tidegraph.storage.events import EventBatch
 from tidegraph.training.fetch import ShardedFeatureStore
 from tidegraph.training.groupcore import GroupCore, shard_args
-from tidegraph.training.placement import check_placement, choose_memory_placement, state_row_bytes
 from tidegraph.training.shard import ShardCore
 from tidegraph.training.state import ShardedStateSource
+from tidegraph.training.state_placement import (
+    check_placement,
+    choose_memory_placement,
+    state_row_bytes,
+)
 from tidegraph.training.trainer import TrainerCore
 
 __all__ = [

@@ -21,9 +21,13 @@ from tidegraph.rng import load_generator_state, seed_for, stream
 from tidegraph.storage.events import EventBatch
 from tidegraph.storage.partition import build_partitioner, partition_report
 from tidegraph.training.balance import SliceBalancer
-from tidegraph.training.placement import check_placement, choose_memory_placement, state_row_bytes
 from tidegraph.training.schedule import batch_start, train_slices
 from tidegraph.training.shard import route_batch
+from tidegraph.training.state_placement import (
+    check_placement,
+    choose_memory_placement,
+    state_row_bytes,
+)
 
 __all__ = ["GroupCore", "shard_args"]
 
