@@ -71,7 +71,8 @@ class ContinualLearner:
         live: bool = False,
     ) -> None:
         """`group`: a callable (config, num_nodes, edge_dim, expected_nodes=...) -> group;
-        None: the backend `config.cluster.backend` names (`LocalGroup`, or Ray actors).
+        None: `LocalGroup` (the "local" backend; a run on Ray actors passes
+        `tidegraph.orchestrator.make_group`, which builds the group `cluster.backend` names).
         `event_log`: an `EventLog` every ingested batch is made durable in before routing.
         `live`: the stream grows: `stream` is phase 1, and `append` adds increments."""
         self.event_log = event_log
@@ -83,7 +84,7 @@ class ContinualLearner:
         self.events = self.stream.events
         # node tables start empty and grow with the nodes seen; the placement rule sizes node
         # state by the stream's node count
-        make = group or _backend(config.cluster.backend)
+        make = group or _local_group(config)
         self.group = make(config, 0, self.stream.edge_dim, expected_nodes=self.stream.num_nodes)
         # a group that rebuilds lost shards routes the stream's batches again (the durable
         # log holds the same events; this learner reads them from its stream)
@@ -465,14 +466,7 @@ class ContinualLearner:
     def _comm_record(self) -> dict:
         """Gradient compression in summary.json: the resolved `comm` settings and trainer
         0's totals (bytes per rank; every rank sends as much and decodes the same bits)."""
-        trainer = self.group.trainers[0]
-        if hasattr(trainer, "call"):  # an actor: its TrainerCore's state, once per run
-            import ray
-
-            state = ray.get(trainer.call.remote("state_dict"))
-        else:
-            state = trainer.state_dict()
-        return comm_record(self.config.comm, state.get("comm"))
+        return comm_record(self.config.comm, self.group.comm_state())
 
     def _cluster_record(self) -> dict:
         return {
@@ -622,11 +616,14 @@ def _resolved(x):
     return x
 
 
-def _backend(name: str):
-    if name == "ray":
-        from tidegraph.orchestrator.ray_group import RayGroup
-
-        return RayGroup
+def _local_group(config):
+    """The group factory when the caller gives none: `LocalGroup`. Groups of actors are built
+    where Ray is imported (`tidegraph.orchestrator.make_group`), never here."""
+    if config.cluster.backend != "local":
+        raise ValueError(
+            f"ContinualLearner: cluster.backend {config.cluster.backend!r} needs a group factory:"
+            " pass group=tidegraph.orchestrator.make_group"
+        )
     return LocalGroup
 
 

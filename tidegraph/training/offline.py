@@ -23,9 +23,10 @@ __all__ = ["run_offline"]
 log = logging.getLogger(__name__)
 
 
-def run_offline(config: RunConfig, stream: Stream | None = None) -> dict:
-    """Train, validate and test; returns per-epoch times, validation and test metrics."""
-    learner = ContinualLearner(config, stream)
+def run_offline(config: RunConfig, stream: Stream | None = None, group=None) -> dict:
+    """Train, validate and test; returns per-epoch times, validation and test metrics.
+    `group`: the group factory, as `ContinualLearner` takes it (None: `LocalGroup`)."""
+    learner = ContinualLearner(config, stream, group)
     n = len(learner.events)
     train_end = int(n * config.offline_split[0])
     val_end = train_end + int(n * config.offline_split[1])
