@@ -51,6 +51,7 @@ import ray  # noqa: E402
 import torch  # noqa: E402
 from ray.core.generated import autoscaler_pb2  # noqa: E402
 
+from tidegraph.orchestrator import make_group  # noqa: E402
 from tidegraph.orchestrator.cluster import loopback_cluster, until  # noqa: E402
 from tidegraph.orchestrator.ray_group import RayGroup  # noqa: E402
 from tidegraph.runtime import set_determinism  # noqa: E402
@@ -137,7 +138,7 @@ def scenario(args, cluster, stream) -> dict:
         cluster.remove_node(node)
 
     set_determinism(cfg.seed, threads=1)
-    learner = ContinualLearner(cfg, stream)
+    learner = ContinualLearner(cfg, stream, make_group)
     done: dict = {}
 
     def train() -> None:  # in a thread: Ray's Cluster.add_node works in the main one only

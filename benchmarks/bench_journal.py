@@ -21,6 +21,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 import ray  # noqa: E402
 
+from tidegraph.orchestrator import make_group  # noqa: E402
 from tidegraph.orchestrator.cluster import connect  # noqa: E402
 from tidegraph.orchestrator.ray_group import RayGroup  # noqa: E402
 from tidegraph.runtime import set_determinism  # noqa: E402
@@ -47,7 +48,7 @@ def one_run(stream, events: int, journal: bool) -> dict:
         RayGroup._journaling = property(lambda self: False)
     try:
         set_determinism(0, threads=1)
-        learner = ContinualLearner(config(events), stream)
+        learner = ContinualLearner(config(events), stream, make_group)
         try:
             t0 = time.perf_counter()
             learner.run_phase1()

@@ -52,7 +52,7 @@ import ray  # noqa: E402
 import torch  # noqa: E402
 from common import machine, write_json  # noqa: E402
 
-from tidegraph.orchestrator import Orchestrator, RunState  # noqa: E402
+from tidegraph.orchestrator import Orchestrator, RunState, make_group  # noqa: E402
 from tidegraph.orchestrator.ray_group import RayGroup  # noqa: E402
 from tidegraph.orchestrator.rundir import RunDir  # noqa: E402
 from tidegraph.runtime import set_determinism  # noqa: E402
@@ -144,7 +144,7 @@ def run(cfg: RunConfig, stream, during=None, update_log: str | None = None) -> d
     MARKS["pass_started"] = threading.Event()
     set_determinism(cfg.seed, threads=1)
     t0 = time.perf_counter()
-    learner = ContinualLearner(cfg, stream)
+    learner = ContinualLearner(cfg, stream, make_group)
     if update_log is not None:
         learner.group.set_update_log(update_log, cfg.cluster.update_log_every, ())
     stop = threading.Event()

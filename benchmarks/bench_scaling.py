@@ -25,6 +25,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # a local Ray o
 
 from common import machine, write_json  # noqa: E402
 
+from tidegraph.orchestrator import make_group  # noqa: E402
 from tidegraph.runtime import set_determinism  # noqa: E402
 from tidegraph.training import ContinualLearner, RunConfig, load_stream  # noqa: E402
 from tidegraph.training.schedule import phase1_bounds  # noqa: E402
@@ -49,7 +50,7 @@ def config(args, backend: str, shards: int, trainers: int, threads: int) -> RunC
 def measure(args, stream, backend, shards, trainers, threads) -> dict:
     cfg = config(args, backend, shards, trainers, threads)
     set_determinism(cfg.seed, threads=threads)
-    learner = ContinualLearner(cfg, stream)
+    learner = ContinualLearner(cfg, stream, make_group)
     try:
         val_start, end = phase1_bounds(len(stream.events), cfg.continual)
         learner.ingest(0, end)

@@ -16,7 +16,7 @@ import torch
 from logcheck import assert_held_as_logged, assert_same_node_rows, node_rows
 from threads import Watched
 
-from tidegraph.orchestrator import RunState
+from tidegraph.orchestrator import RunState, make_group
 from tidegraph.runtime import set_determinism
 from tidegraph.storage.eventlog import EventLog
 from tidegraph.training import ContinualLearner
@@ -43,7 +43,7 @@ def run(cfg, stream, during=None, join_s: float = 60.0, during_in_main: bool = F
     set_determinism(7, threads=1)
     with tempfile.TemporaryDirectory(prefix="tidegraph-log-") as where:
         log = EventLog(where)
-        learner = ContinualLearner(cfg, stream, event_log=log)
+        learner = ContinualLearner(cfg, stream, make_group, event_log=log)
 
         def train() -> None:
             learner.run_phase1()

@@ -19,6 +19,7 @@ from tidegraph.actors.shard import GraphShardActor, RemoteShard
 from tidegraph.comm.collective import Collective
 from tidegraph.comm.config import CommConfig
 from tidegraph.comm.gradsync import GradSync
+from tidegraph.orchestrator import make_group
 from tidegraph.runtime import set_determinism
 from tidegraph.storage.events import EventBatch
 from tidegraph.storage.partition import build_partitioner
@@ -51,7 +52,7 @@ def wiki():
 
 def learner_for(cfg: RunConfig, stream) -> ContinualLearner:
     set_determinism(7, threads=1)
-    return ContinualLearner(cfg, stream)
+    return ContinualLearner(cfg, stream, make_group)
 
 
 def run(cfg: RunConfig, stream, between=None) -> tuple:

@@ -16,6 +16,7 @@ import ray
 import torch
 
 from tidegraph.jobs import resize
+from tidegraph.orchestrator import make_group
 from tidegraph.orchestrator.ray_group import RayGroup
 from tidegraph.training import RunConfig, load_stream
 
@@ -184,7 +185,7 @@ def test_the_resize_command_refuses_an_unknown_run_and_a_count_out_of_bounds(
     assert "no run named 'no-such-run'" in capsys.readouterr().err
     from tidegraph.training import ContinualLearner
 
-    learner = ContinualLearner(config({"min": 1, "max": 2}), wiki)
+    learner = ContinualLearner(config({"min": 1, "max": 2}), wiki, make_group)
     try:
         assert resize.main(["--run-name", learner.config.run_name, "--trainers", "3"]) == 2
         assert "allows 1 to 2 trainers" in capsys.readouterr().err
@@ -237,7 +238,7 @@ def test_the_linear_rule_scales_batch_and_learning_rate_with_the_group(
 
     cfg = config({"min": 1, "max": 2}, scale_rule="linear")
     base_batch, base_lr = cfg.train.batch_size, cfg.train.lr
-    learner = ContinualLearner(cfg, wiki)
+    learner = ContinualLearner(cfg, wiki, make_group)
     try:
         during = Watched(wants(1, first=0.3), learner)
         during.start()
@@ -259,7 +260,7 @@ def test_the_linear_rule_scales_batch_and_learning_rate_with_the_group(
         state = learner.state_dict()
     finally:
         learner.group.shutdown()
-    again = ContinualLearner(config({"min": 1, "max": 1}, scale_rule="linear"), wiki)
+    again = ContinualLearner(config({"min": 1, "max": 1}, scale_rule="linear"), wiki, make_group)
     try:
         again.load_state_dict(state)
         assert again.schedule.units == learner.schedule.units

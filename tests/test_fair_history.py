@@ -15,6 +15,7 @@ import pytest
 import torch
 from reference import ReferenceGraph
 
+from tidegraph.orchestrator import make_group
 from tidegraph.runtime import set_determinism
 from tidegraph.sampling import TemporalSampler
 from tidegraph.sampling.multihop import MultiHopSampler
@@ -133,7 +134,7 @@ def _learner(
     raw["model"]["slot_precision"] = "fp32"
     raw["cluster"] = {"backend": backend, "shards": shards, "trainers": trainers, **cluster}
     raw["run_name"] = "tidegraph-test-fair"
-    return ContinualLearner(RunConfig.from_dict(raw), stream)
+    return ContinualLearner(RunConfig.from_dict(raw), stream, make_group)
 
 
 @pytest.mark.parametrize("history", ["event", "batch"])

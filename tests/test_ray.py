@@ -10,7 +10,7 @@ import pytest
 import ray
 import torch
 
-from tidegraph.orchestrator import Orchestrator, RunState
+from tidegraph.orchestrator import Orchestrator, RunState, make_group
 from tidegraph.orchestrator.ray_group import PlacementTimeout, RayGroup
 from tidegraph.runtime import set_determinism
 from tidegraph.training import ContinualLearner, RunConfig, load_stream
@@ -31,7 +31,7 @@ def config(model="tgn", backend="ray", strategy="recent", **cluster) -> RunConfi
 
 def run(cfg: RunConfig, stream):
     set_determinism(7, threads=1)
-    learner = ContinualLearner(cfg, stream)
+    learner = ContinualLearner(cfg, stream, make_group)
     if cfg.cluster.backend == "ray":  # one node: every shard is the trainers' own, or none
         want = [0, 1] if cfg.cluster.local_sampling else []
         assert ray.get([t.local_shards.remote() for t in learner.group.trainers]) == [want] * 2
@@ -88,7 +88,7 @@ def _flat(x) -> list[torch.Tensor]:
 
 
 def test_actors_are_named_in_the_run_namespace_and_released(ray_session, wiki):
-    learner = ContinualLearner(config(shards=2, trainers=2), wiki)
+    learner = ContinualLearner(config(shards=2, trainers=2), wiki, make_group)
     group = learner.group
     names = ["tidegraph-shard-0", "tidegraph-shard-1", "tidegraph-trainer-0",
              "tidegraph-trainer-1", "tidegraph-coordinator"]  # fmt: skip
@@ -165,7 +165,7 @@ def test_an_actor_failing_in_its_constructor_names_the_cause_and_frees_the_group
 def test_a_whole_pass_reports_its_steps_to_the_driver_while_it_runs(ray_session, wiki):
     default, RayGroup.progress_s = RayGroup.progress_s, 0.02  # trainers report every 20 ms
     try:
-        learner = ContinualLearner(config(shards=1, trainers=2), wiki)
+        learner = ContinualLearner(config(shards=1, trainers=2), wiki, make_group)
     finally:
         RayGroup.progress_s = default
     group = learner.group

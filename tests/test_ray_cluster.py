@@ -8,6 +8,7 @@ import pytest
 import ray
 import torch
 
+from tidegraph.orchestrator import make_group
 from tidegraph.orchestrator.cluster import loopback_cluster
 from tidegraph.runtime import set_determinism
 from tidegraph.training import ContinualLearner, RunConfig, load_stream
@@ -30,7 +31,7 @@ def run(backend: str, memory: str, stream):
     raw["cluster"] = {"backend": backend, "shards": 3, "trainers": 2, "memory": memory}
     raw["run_name"] = "cluster-run"
     set_determinism(7, threads=1)
-    learner = ContinualLearner(RunConfig.from_dict(raw), stream)
+    learner = ContinualLearner(RunConfig.from_dict(raw), stream, make_group)
     try:
         placement = {}
         if backend == "ray":

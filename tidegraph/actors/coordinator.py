@@ -22,8 +22,9 @@ __all__ = ["CoordinatorActor"]
 
 
 class _Coordinator(StoreHost):
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, host: str | None = None, timeout_s: float = 60.0) -> None:
+        # the store listens on the address Ray knows this node by (comm/ does not import Ray)
+        super().__init__(host or ray.util.get_node_ip_address(), timeout_s)
         self.steps = 0
         self.stop = False
         self.wanted: tuple[int, str] | None = None  # (trainers, who asked)

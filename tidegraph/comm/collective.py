@@ -35,7 +35,8 @@ log = logging.getLogger(__name__)
 
 
 class StoreHost:
-    """The master TCP store, on a free port of this host."""
+    """The master TCP store, on a free port of this host: `host`, or the address the host's
+    name resolves to."""
 
     def __init__(self, host: str | None = None, timeout_s: float = 60.0) -> None:
         self.host = host or _node_ip()
@@ -247,11 +248,6 @@ def _set_timeout(group, timeout: datetime.timedelta) -> None:
 
 
 def _node_ip() -> str:
-    try:
-        import ray
-
-        if ray.is_initialized():
-            return ray.util.get_node_ip_address()
-    except ImportError:  # pragma: no cover - ray is a dependency
-        pass
+    """This host's address by its name (a Ray actor passes the address Ray knows its node by:
+    `tidegraph.actors.coordinator`)."""
     return socket.gethostbyname(socket.gethostname())

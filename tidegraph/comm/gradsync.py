@@ -25,14 +25,11 @@ from dataclasses import dataclass
 
 import torch
 
+from tidegraph.comm.buckets import EXACT_BITS, CommStats
 from tidegraph.comm.config import CommConfig
-from tidegraph.comm.qallreduce import (
-    EXACT_BITS,
-    CommStats,
-    OverlapRound,
-    QuantizedAllReduce,
-    allreduce_in_process_,
-)
+from tidegraph.comm.loopback import allreduce_in_process_
+from tidegraph.comm.overlap import OverlapRound
+from tidegraph.comm.reducer import QuantizedAllReduce
 
 __all__ = ["GradSync", "GradientStep", "comm_record", "compressing", "reduce_in_process_"]
 

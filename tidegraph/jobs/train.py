@@ -25,6 +25,7 @@ from pathlib import Path
 
 from tidegraph.config_check import explicit_fields
 from tidegraph.jobs.preflight import conflicts, preflight
+from tidegraph.orchestrator.backend import make_group
 from tidegraph.runtime import set_determinism, tune_host_allocator
 from tidegraph.training.config import RunConfig, read_config
 from tidegraph.training.data import stream_for
@@ -237,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if config.mode == "offline":
             try:
-                result = run_offline(config, stream)
+                result = run_offline(config, stream, make_group)
             except ValueError as err:
                 _report(err)
                 return 2

@@ -38,6 +38,7 @@ import logging
 import time
 from collections.abc import Callable
 
+from tidegraph.orchestrator.backend import make_group
 from tidegraph.recovery.policy import NoReplicaLeft
 from tidegraph.recovery.updatelog import logged_steps
 from tidegraph.storage.events import EventBatch
@@ -74,7 +75,8 @@ WHY = {
 
 
 class Orchestrator:
-    """Drives one run; `group` is a group factory (None: the configured backend's)."""
+    """Drives one run; `group` is a group factory (None: `make_group`, the configured
+    backend's)."""
 
     def __init__(
         self,
@@ -101,7 +103,7 @@ class Orchestrator:
         self.run_dir = run_dir
         self.resume = resume
         self.stream = stream
-        self.group_factory = group
+        self.group_factory = group or make_group
         self.on_record = on_record or (lambda record: None)
         self.state = RunState.SCHEDULING
         self.transitions: list[tuple] = []  # (from, to, why, unix time) of every change

@@ -297,6 +297,10 @@ class RayGroup(
         """Trainer 0's gradient-compression totals (bytes per rank), None without it."""
         return self._robust(lambda: ray.get(self.trainers[0].comm_totals.remote()))
 
+    def comm_state(self) -> dict | None:
+        """Trainer 0's gradient-compression state (its `TrainerCore.state_dict()["comm"]`)."""
+        return ray.get(self.trainers[0].call.remote("state_dict")).get("comm")
+
     def take_seconds(self) -> list[dict]:
         return self._all("take_seconds")
 

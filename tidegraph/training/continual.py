@@ -50,7 +50,8 @@ from tidegraph.training.config import RunConfig
 from tidegraph.training.data import Stream, stream_for
 from tidegraph.training.group import LocalGroup
 from tidegraph.training.metrics import average_precision, link_metrics
-from tidegraph.training.progress import Progress
+from tidegraph.training.progress import Progress, close_pass_bar, pass_bar, steps_shown
+from tidegraph.training.records import RecordLog, cluster_record
 from tidegraph.training.sampling import NegativeSampler, build_replay
 from tidegraph.training.schedule import Cursor, Schedule, Unit, batch_bounds
 
@@ -71,7 +72,8 @@ class ContinualLearner:
         live: bool = False,
     ) -> None:
         """`group`: a callable (config, num_nodes, edge_dim, expected_nodes=...) -> group;
-        None: the backend `config.cluster.backend` names (`LocalGroup`, or Ray actors).
+        None: `LocalGroup` (the "local" backend; a run on Ray actors passes
+        `tidegraph.orchestrator.make_group`, which builds the group `cluster.backend` names).
         `event_log`: an `EventLog` every ingested batch is made durable in before routing.
         `live`: the stream grows: `stream` is phase 1, and `append` adds increments."""
         self.event_log = event_log
@@ -83,7 +85,7 @@ class ContinualLearner:
         self.events = self.stream.events
         # node tables start empty and grow with the nodes seen; the placement rule sizes node
         # state by the stream's node count
-        make = group or _backend(config.cluster.backend)
+        make = group or _local_group(config)
         self.group = make(config, 0, self.stream.edge_dim, expected_nodes=self.stream.num_nodes)
         # a group that rebuilds lost shards routes the stream's batches again (the durable
         # log holds the same events; this learner reads them from its stream)
@@ -106,8 +108,7 @@ class ContinualLearner:
         self.pass_state: dict = {}  # accumulators of the pass under way (checkpointed)
         self.history: list[dict] = []
         self.rebatches: list[tuple[int, int]] = []  # (unit, train batch): `_follow_batch`
-        self._membership_seen: dict[str, int] = {}  # resizes, recoveries written so far
-        self._comm_bits: list[int] | None = None  # gradient buckets' bits last written
+        self.records = RecordLog(config, self.group)  # metrics.jsonl
 
     # replica 0's pieces (all replicas are identical after every step)
     @property
@@ -206,7 +207,8 @@ class ContinualLearner:
         at = self.cursor.unit
         todo = units[at : at + first.parts]
         ps = self.pass_state
-        progress = _steps_shown(lambda i: self._bar(todo[i], ps, len(batches[i][0])))
+        bars = self.config.progress
+        progress = steps_shown(lambda i: pass_bar(ps, todo[i], len(batches[i][0]), bars))
         if first.kind == "train":
             ps.update(losses=[], loss_events=0, t_pass=time.perf_counter())
             batches = [self._train_inputs(u, ps) for u in todo]
@@ -253,7 +255,7 @@ class ContinualLearner:
         if u.increment < 0:
             val_start, end = self.val_start, self.phase1_end
             record = {"phase": "phase1", "train_events": val_start, "val_events": end - val_start}
-            record.update(self._cluster_record())
+            record.update(cluster_record(self.group))
             part = self.group.report(self.events.src[:end], self.events.dst[:end])
             record.update({f"partition_{k}": v for k, v in part.items() if k != "shard_events"})
             log.info("partition: %s", part)
@@ -274,12 +276,12 @@ class ContinualLearner:
         ps["losses"].append((self.group.train_step(ev, weight, neg, n_new), len(ev)))
         ps["loss_events"] += len(ev)
         self.cursor.step += 1
-        self._bar(u, ps, len(ev))
+        pass_bar(ps, u, len(ev), self.config.progress)
 
     def _unit_train_end(self, u: Unit, ps: dict) -> None:
         total = sum(_value(loss) * n for loss, n in ps.pop("losses"))
         ps["loss"] = total / max(ps["loss_events"], 1)
-        ps["train_rate"] = self._close_bar(ps, ps["loss_events"])
+        ps["train_rate"] = close_pass_bar(ps, ps["loss_events"])
 
     def _unit_eval(self, u: Unit, ps: dict) -> None:
         if u.part == 0:
@@ -287,10 +289,10 @@ class ContinualLearner:
         p, n = self._eval_batch(self.events.select(slice(u.lo, u.hi)), observe=True)
         ps["pos"].append(p)
         ps["neg"].append(n)
-        self._bar(u, ps, u.hi - u.lo)
+        pass_bar(ps, u, u.hi - u.lo, self.config.progress)
 
     def _unit_eval_end(self, u: Unit, ps: dict) -> None:
-        self._close_bar(ps, u.hi - u.lo)
+        close_pass_bar(ps, u.hi - u.lo)
         metrics = link_metrics(torch.cat(ps.pop("pos")), torch.cat(ps.pop("neg")))
         if u.increment < 0:
             log.info("phase 1 epoch %d: loss %.4f val %s", u.epoch + 1, ps["loss"], _fmt(metrics))
@@ -353,20 +355,6 @@ class ContinualLearner:
         self._log(record)
         return record
 
-    def _bar(self, u: Unit, ps: dict, n: int) -> None:
-        if "bar" not in ps:
-            what = "phase1" if u.increment < 0 else f"increment {u.increment + 1}"
-            total = (u.hi - u.lo) * u.parts  # approximate: batches of equal size
-            ps["bar"] = Progress(total, f"{what} {u.kind} {max(u.epoch, 0) + 1}",
-                                 self.config.progress)  # fmt: skip
-        ps["bar"].update(n)
-
-    def _close_bar(self, ps: dict, n: int) -> float:
-        bar = ps.pop("bar", None)
-        if bar is not None:
-            bar.close()
-        return n / max(time.perf_counter() - ps.pop("t_pass", time.perf_counter()), 1e-9)
-
     def append(self, events: EventBatch) -> None:
         """Events that arrived on a live stream: the next increment (eids continue the
         stream's positions); their external ids, as a source or the durable log (which holds
@@ -388,8 +376,10 @@ class ContinualLearner:
         No side effects on training: the probes draw from copies of the generators."""
         inc = [r for r in self.history if r["phase"] == "increment"]
         out = {"model": self.config.model.name, "dataset": self.stream.name}
-        out.update(self._cluster_record())
-        out["comm"] = self._comm_record()
+        out.update(cluster_record(self.group))
+        # gradient compression: the resolved `comm` settings and trainer 0's totals (bytes per
+        # rank; every rank sends as much and decodes the same bits)
+        out["comm"] = comm_record(self.config.comm, self.group.comm_state())
         out["partition"] = self.group.report(self.events.src[: self.ingested],
                                              self.events.dst[: self.ingested])  # fmt: skip
         if inc:
@@ -462,25 +452,6 @@ class ContinualLearner:
                 self.device,
             )
 
-    def _comm_record(self) -> dict:
-        """Gradient compression in summary.json: the resolved `comm` settings and trainer
-        0's totals (bytes per rank; every rank sends as much and decodes the same bits)."""
-        trainer = self.group.trainers[0]
-        if hasattr(trainer, "call"):  # an actor: its TrainerCore's state, once per run
-            import ray
-
-            state = ray.get(trainer.call.remote("state_dict"))
-        else:
-            state = trainer.state_dict()
-        return comm_record(self.config.comm, state.get("comm"))
-
-    def _cluster_record(self) -> dict:
-        return {
-            "trainers": self.group.num_trainers,
-            "shards": self.group.num_shards,
-            "memory_placement": self.group.memory_placement,
-        }
-
     # ---- passes ---------------------------------------------------------------------------
 
     def ingest(self, start: int, end: int) -> None:
@@ -518,7 +489,7 @@ class ContinualLearner:
         losses = []
         batches = [(ev, None, self.negatives.sample(len(ev), self.train_negatives), len(ev))
                    for ev in self._batches(start, end)]  # fmt: skip
-        progress = _steps_shown(lambda i: bar.update(len(batches[i][0])))
+        progress = steps_shown(lambda i: bar.update(len(batches[i][0])))
         if self._whole_passes():
             results = self.group.train_pass(batches, progress)
         else:
@@ -571,43 +542,7 @@ class ContinualLearner:
         self.history.append(record)
         if record.get("phase") == "increment":
             log.info("increment %d: %s", record["increment"] + 1, _fmt(record))
-        self._write([*self._membership_records(), *self._comm_records(), record])
-
-    def _membership_records(self) -> list[dict]:
-        """The group's resizes, recoveries, shard moves and changes of the shard-actor count
-        since the last record, as metrics.jsonl records of phase "resize" / "recovery" /
-        "shard_move" / "shard_resize" (not in `history`: a run's results do not depend on
-        them)."""
-        out = []
-        kinds = (("resize", "resizes"), ("recovery", "recoveries"),
-                 ("shard_move", "shard_moves"), ("shard_resize", "shard_resizes"))  # fmt: skip
-        for kind, name in kinds:
-            events = getattr(self.group, name)  # the membership lists of `Group`
-            seen = self._membership_seen.get(kind, 0)
-            out += [{"phase": kind, **e} for e in events[seen:]]
-            self._membership_seen[kind] = len(events)
-        return out
-
-    def _comm_records(self) -> list[dict]:
-        """With gradient compression, a metrics.jsonl record of phase "comm_bits" whenever the
-        bits per gradient bucket changed since the last record (adaptive decisions; 32: sent
-        exact, 0: top-k), with trainer 0's steps and bytes ratio so far."""
-        if self.config.comm.compression == "none":
-            return []
-        totals = self.group.comm_totals()
-        bits = list(totals["last_bits"]) if totals else []
-        if not bits or bits == self._comm_bits:
-            return []
-        self._comm_bits = bits
-        keep = ("steps", "compressed_steps", "ratio")
-        return [{"phase": "comm_bits", "bits": bits, **{k: totals[k] for k in keep}}]
-
-    def _write(self, records: list[dict]) -> None:
-        if self.config.out_dir:
-            path = Path(self.config.out_dir) / "metrics.jsonl"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with path.open("a") as f:
-                f.writelines(json.dumps(r, default=str) + "\n" for r in records)
+        self.records.write(record)
 
 
 def _value(loss) -> float:
@@ -622,28 +557,17 @@ def _resolved(x):
     return x
 
 
-def _backend(name: str):
-    if name == "ray":
-        from tidegraph.orchestrator.ray_group import RayGroup
-
-        return RayGroup
+def _local_group(config):
+    """The group factory when the caller gives none: `LocalGroup`. Groups of actors are built
+    where Ray is imported (`tidegraph.orchestrator.make_group`), never here."""
+    if config.cluster.backend != "local":
+        raise ValueError(
+            f"ContinualLearner: cluster.backend {config.cluster.backend!r} needs a group factory:"
+            " pass group=tidegraph.orchestrator.make_group"
+        )
     return LocalGroup
 
 
 def _fmt(metrics: dict) -> str:
     keys = ("ap", "auc", "mrr", "old_ap", "eval_events_per_s", "train_events_per_s")
     return " ".join(f"{k}={metrics[k]:.4g}" for k in keys if k in metrics)
-
-
-def _steps_shown(show):
-    """A progress callback for a group's pass: given the steps finished so far, calls
-    `show(i)` once for every step i not shown yet."""
-    shown = 0
-
-    def progress(steps: int) -> None:
-        nonlocal shown
-        for i in range(shown, steps):
-            show(i)
-        shown = max(shown, steps)
-
-    return progress

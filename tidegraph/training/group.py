@@ -229,6 +229,11 @@ class LocalGroup(GroupCore):
         sync = getattr(self.trainers[0], "grad_sync", None)
         return sync.totals() if hasattr(sync, "totals") else None
 
+    def comm_state(self) -> dict | None:
+        """Trainer 0's gradient-compression state (its `TrainerCore.state_dict()["comm"]`:
+        bits, residuals, totals), None before any compressed step."""
+        return self.trainers[0].state_dict().get("comm")
+
     def take_seconds(self) -> list[dict]:
         """Each trainer's seconds per step phase since the last call."""
         return [t.take_seconds() for t in self.trainers]

@@ -23,10 +23,11 @@ __all__ = ["run_offline"]
 log = logging.getLogger(__name__)
 
 
-def run_offline(config: RunConfig, stream: Stream | None = None) -> dict:
-    """Train, validate and test; returns per-epoch times, validation and test metrics. The
-    group (on Ray: its actors and placement groups) is released at the end."""
-    learner = ContinualLearner(config, stream)
+def run_offline(config: RunConfig, stream: Stream | None = None, group=None) -> dict:
+    """Train, validate and test; returns per-epoch times, validation and test metrics.
+    `group`: the group factory, as `ContinualLearner` takes it (None: `LocalGroup`); the group
+    (on Ray: its actors and placement groups) is released at the end."""
+    learner = ContinualLearner(config, stream, group)
     try:
         return _run(config, learner)
     finally:
