@@ -71,3 +71,44 @@ def test_the_update_log_on_a_local_group_is_refused_by_name():
     group = LocalGroup(RunConfig.from_dict(CONFIG), 10, 0)
     with pytest.raises(ValueError, match="cluster.backend 'ray'"):
         group.set_update_log("/tmp/x", 1)
+
+
+class _Joining:
+    """What `RayGroup._first_connect` uses of a group: `_connect`, failing as told."""
+
+    connect_tries = RayGroup.connect_tries
+    _first_connect = RayGroup._first_connect
+
+    def __init__(self, failures: list) -> None:
+        self.failures, self.calls = failures, 0
+
+    def _connect(self) -> None:
+        self.calls += 1
+        if self.failures:
+            raise self.failures.pop(0)
+
+
+def _task_error(cause: Exception):
+    import ray
+
+    return ray.exceptions.RayTaskError("connect", "traceback", cause)
+
+
+def test_a_first_rendezvous_that_timed_out_is_joined_again_a_bounded_number_of_times():
+    import torch.distributed as dist
+
+    timeout = dist.DistStoreError("wait timeout after 8000ms")
+    group = _Joining([_task_error(timeout)])
+    group._first_connect()
+    assert group.calls == 2  # joined on the second try
+    group = _Joining([_task_error(timeout) for _ in range(RayGroup.connect_tries)])
+    with pytest.raises(Exception) as raised:
+        group._first_connect()
+    assert raised.value.cause is timeout
+    assert group.calls == RayGroup.connect_tries
+    bad = ValueError("bad config")
+    group = _Joining([_task_error(bad)])  # not a rendezvous: raised at once
+    with pytest.raises(Exception) as raised:
+        group._first_connect()
+    assert raised.value.cause is bad
+    assert group.calls == 1

@@ -42,7 +42,7 @@ from ray.util.scheduling_strategies import (
 from tidegraph.actors import CoordinatorActor
 from tidegraph.actors.shard import PartHandle
 from tidegraph.orchestrator.passes import Passes
-from tidegraph.orchestrator.pipeline import PendingLoss, StepPipeline
+from tidegraph.orchestrator.pipeline import PendingLoss, StepPipeline, group_failure
 from tidegraph.orchestrator.placement import (
     Placement,
     PlacementTimeout,
@@ -93,6 +93,7 @@ class RayGroup(
     probe_s = 10.0  # a trainer that does not answer this long after a failure is hung
     name_wait_s = 30.0  # for a lost trainer's name to be free for its replacement
     replace_wait_s = 5.0  # for a replacement's slot, before a group above its min shrinks
+    connect_tries = 3  # first rendezvous attempts (each up to `Collective.rendezvous_s`)
 
     def __init__(
         self, config, num_nodes: int, edge_dim: int, expected_nodes: int | None = None
@@ -222,7 +223,7 @@ class RayGroup(
         self.resizes: list[dict] = []  # one record per resize
         self._stop_asked = False  # the trainers were asked to stop after a step (a resize)
         self._next_check = 0.0  # monotonic time of the next look at the membership
-        self._connect()
+        self._first_connect()
         ray.get([s.ping.remote() for s in self._all_copies()])
         self._top_up()  # spare trainers (`cluster.spare_trainers`) start in the background
         if spare_count(c):  # their slots are placed in moments when there is room
@@ -235,6 +236,19 @@ class RayGroup(
             c.shards, self.num_trainers, self.min_trainers, self.max_trainers, self.namespace,
             self.memory_placement,
         )  # fmt: skip
+
+    def _first_connect(self) -> None:
+        """The trainers' first rendezvous, again on a new generation when it timed out with
+        every trainer alive (a loaded machine can keep one from joining within
+        `Collective.rendezvous_s`; there is no recovery yet to retry it). Bounded."""
+        for attempt in range(1, self.connect_tries + 1):
+            try:
+                return self._connect()
+            except ray.exceptions.RayTaskError as exc:
+                if not group_failure(exc) or attempt == self.connect_tries:
+                    raise
+                log.warning("trainer group rendezvous %d of %d failed (%s): joining again",
+                            attempt, self.connect_tries, type(exc.cause).__name__)  # fmt: skip
 
     def _all(self, method: str, *args) -> list:
         """`TrainerCore.method(*args)` on every trainer."""
