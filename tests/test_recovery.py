@@ -47,7 +47,15 @@ def fault_free(ray_session, wiki):
     return run(config(), wiki)
 
 
-@pytest.mark.parametrize(("at", "done"), [("forward", 3), ("allreduce", 3), ("after_step", 4)])
+# the default suite loses the trainer at its all-reduce; before it and after the step: slow
+@pytest.mark.parametrize(
+    ("at", "done"),
+    [
+        pytest.param("forward", 3, marks=pytest.mark.slow),
+        ("allreduce", 3),
+        pytest.param("after_step", 4, marks=pytest.mark.slow),
+    ],
+)
 def test_a_trainer_dying_in_a_step_is_replaced_from_a_replica_bitwise(
     ray_session, wiki, fault_free, at, done
 ):
@@ -73,7 +81,7 @@ def overlapped_free(ray_session, wiki):
     return run(overlapped(), wiki)
 
 
-@pytest.mark.parametrize("at", ["forward", "allreduce"])
+@pytest.mark.parametrize("at", [pytest.param("forward", marks=pytest.mark.slow), "allreduce"])
 def test_a_trainer_dying_while_its_buckets_are_under_way_is_replaced_bitwise(
     ray_session, wiki, overlapped_free, at
 ):
@@ -107,7 +115,12 @@ def test_a_trainer_sigkilled_from_outside_mid_pass_is_replaced(ray_session, wiki
     assert_same_run(got, fault_free)
 
 
-@pytest.mark.parametrize("log_every", [0, 1, 2])
+# the default suite replays every logged step (a restart without the log is
+# test_checkpoint_restart's); without it and every other step: slow
+@pytest.mark.parametrize(
+    "log_every",
+    [pytest.param(0, marks=pytest.mark.slow), 1, pytest.param(2, marks=pytest.mark.slow)],
+)
 def test_losing_every_trainer_restarts_the_group_from_the_last_checkpoint(
     ray_session, wiki, fault_free, tmp_path, log_every
 ):
@@ -382,8 +395,10 @@ def test_a_lost_shard_owning_node_state_without_a_replica_replays_its_journal(
     assert_same_run(got, sharded_fault_free)
 
 
-@pytest.mark.parametrize(("at", "kind"), [("forward", "fault"), ("after_step", "fault"),
-                                          ("sigkill", "outside")])  # fmt: skip
+AFTER_STEP = pytest.param("after_step", "fault", marks=pytest.mark.slow)  # slow: the step held
+
+
+@pytest.mark.parametrize(("at", "kind"), [("forward", "fault"), AFTER_STEP, ("sigkill", "outside")])
 def test_a_task_per_step_run_recovers_its_pipelined_steps_bitwise(
     ray_session, wiki, fault_free, at, kind
 ):
