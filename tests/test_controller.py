@@ -4,6 +4,8 @@ loses every trainer replica once (`NoReplicaLeft`). Each state is entered and le
 line, kept in `transitions` and shown in Prometheus (`tidegraph_controller_state`)."""
 
 import logging
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +15,9 @@ from tidegraph.orchestrator.rundir import RunDir
 from tidegraph.recovery.policy import NoReplicaLeft
 from tidegraph.training import RunConfig
 from tidegraph.training.group import LocalGroup
+
+sys.path.insert(0, str(Path(__file__).parent))
+from recovery_run import finish  # noqa: E402
 
 CONFIG = {
     "model": {"name": "tgn", "dim": 16, "time_dim": 8, "memory_dim": 16},
@@ -61,11 +66,10 @@ def run(tmp_path, script: dict, metrics=None) -> tuple[Orchestrator, list]:
     cfg = RunConfig.from_dict({**CONFIG, "out_dir": str(tmp_path / "out")})
     orchestrator = Orchestrator(cfg, group=scripted(script, seen, metrics), metrics=metrics,
                                 run_dir=RunDir(str(tmp_path), "run"))  # fmt: skip
-    for _ in range(50):
-        if orchestrator.step() in (RunState.FINISHED, RunState.ERRORED):
-            break
-    orchestrator.close()
-    assert orchestrator.state is RunState.FINISHED, orchestrator.error
+    try:
+        finish(orchestrator, max_steps=50)
+    finally:
+        orchestrator.close()
     return orchestrator, seen
 
 

@@ -17,9 +17,7 @@ import time
 import ray
 import torch
 from ray.util.placement_group import placement_group
-from ray.util.scheduling_strategies import (
-    PlacementGroupSchedulingStrategy,
-)
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from tidegraph.actors import TrainerActor
 from tidegraph.actors.shard import PartHandle, ShardHostActor

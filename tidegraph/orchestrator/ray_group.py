@@ -35,9 +35,7 @@ import logging
 import ray
 import torch
 from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import (
-    NodeAffinitySchedulingStrategy,
-)
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from tidegraph.actors import CoordinatorActor
 from tidegraph.actors.shard import PartHandle
@@ -106,10 +104,6 @@ class RayGroup(
         self.num_rows = 0
         self.ingests: list[tuple] = []  # (lo, hi, feature-rounding state) of every ingest
         self.replay_source = None  # (lo, hi) -> the stream's events [lo, hi)
-        # () -> the newest checkpoint's group state (its shards' states and ingests) or
-        # None: a lost shard starts from its snapshot there and replays only later ingests
-        self.snapshot_source = None
-        self.recoveries: list[dict] = []  # one record per trainer recovery
         self._stale: set[int] = set()  # trainers whose copy of a replica is not complete
         self._stale_shards: set[int] = set()  # shards rebuilt but not yet checked
         # with node state on the shards and no replica: what changed the shards, in order
@@ -138,7 +132,6 @@ class RayGroup(
         )
         self.shard_spares: list[tuple] = []  # (placement group, bundle) with no host yet
         self.shard_joiners: dict[int, tuple] = {}  # id(slot's group): (slot, actor, answer)
-        self.shard_resizes: list[dict] = []  # one record per change of the host count
         self._hosts_named = itertools.count()  # shard actors started later get unique names
         self.trainer_bundle = {"CPU": c.trainer_cpus, **({"GPU": 1} if cuda else {})}
         # a placement group per trainer (a slot), up to the most trainers the run may have:
@@ -178,7 +171,6 @@ class RayGroup(
         ).remote()
         self._shard_args = (edge_dim, cuda)
         self.shard_successors: dict[int, tuple] = {}  # p: (slot, actor, first answer)
-        self.shard_moves: list[dict] = []  # one record per shard moved to another actor
         self._wanted_moves: set[int] = set()  # partitions an operator asked to move
         self._top_up_shards()
         if self.shard_spares:  # hosts in the slots placed by now start with the run
@@ -220,7 +212,6 @@ class RayGroup(
         self.trainers = [self._new_trainer(w) for w in range(self.num_trainers)]
         self.generation = -1
         self.update_log: tuple = (None, 0, ())  # (directory, every, steps to replay)
-        self.resizes: list[dict] = []  # one record per resize
         self._stop_asked = False  # the trainers were asked to stop after a step (a resize)
         self._next_check = 0.0  # monotonic time of the next look at the membership
         self._first_connect()

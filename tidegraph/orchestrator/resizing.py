@@ -14,9 +14,7 @@ import time
 
 import ray
 
-from tidegraph.elastic.policy import (
-    plan_resize,
-)
+from tidegraph.elastic.policy import plan_resize
 from tidegraph.orchestrator.placement import draining_nodes, poll_s
 
 __all__ = ["Resizing"]

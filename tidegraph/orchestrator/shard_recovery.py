@@ -18,9 +18,7 @@ import ray
 import torch
 
 from tidegraph.actors.shard import PartHandle
-from tidegraph.elastic.policy import (
-    plan_parts,
-)
+from tidegraph.elastic.policy import plan_parts
 from tidegraph.recovery.shards import plan_shard_recovery, replay_ops
 
 __all__ = ["ShardRecovery"]

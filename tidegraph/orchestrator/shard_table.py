@@ -18,9 +18,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 
 from tidegraph.actors.shard import PartHandle
-from tidegraph.elastic.policy import (
-    partitions_to_move,
-)
+from tidegraph.elastic.policy import partitions_to_move
 from tidegraph.orchestrator.placement import PlacementTimeout, actor_of, slot_node
 
 __all__ = ["ShardTable"]

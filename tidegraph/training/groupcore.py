@@ -48,7 +48,10 @@ class GroupCore:
     """The shared part of a group; subclasses call `_init_core` first in their constructor."""
 
     on_change = None  # (kind, why): the controller's hook (`orchestrator.controller`)
-    snapshot_source = None  # () -> the newest checkpoint's group state (groups that rebuild)
+    # () -> the newest checkpoint's group state (its shards' states and ingests) or None, set
+    # by the controller: a lost shard starts from its snapshot there and replays only later
+    # ingests (groups that rebuild shards)
+    snapshot_source = None
     runs_passes = False  # whether `train_pass`/`eval_pass` run whole passes per task
 
     def _init_core(self, config, num_nodes: int, edge_dim: int, expected_nodes: int | None) -> int:
@@ -66,10 +69,10 @@ class GroupCore:
         self.memory_placement = choose_memory_placement(c, expected, row_bytes)
         self.sharded = self.memory_placement == "sharded" and row_bytes > 0
         # membership changes so far, one record each (empty where members never change)
-        self.recoveries: list[dict] = []
-        self.resizes: list[dict] = []
-        self.shard_moves: list[dict] = []
-        self.shard_resizes: list[dict] = []
+        self.recoveries: list[dict] = []  # trainer and shard recoveries
+        self.resizes: list[dict] = []  # changes of the trainer count
+        self.shard_moves: list[dict] = []  # partitions moved to another shard actor
+        self.shard_resizes: list[dict] = []  # changes of the shard-actor count
         return row_bytes
 
     # ---- routing and slicing ------------------------------------------------------------------
