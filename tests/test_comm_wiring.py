@@ -31,8 +31,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 import reference_run  # noqa: E402
 
 # 8 bits from the first step, every bucket compressed, chunks of 256 values: per rank each
-# value's code is sent twice (all-to-all, all-gather) at 1/4 of fp32 plus 8 bytes per chunk
-Q8 = {"compression": "q8", "warmup_steps": 0, "min_bucket_bytes": 0, "chunk_size": 256}
+# value's code is sent twice (all-to-all, all-gather) at 1/4 of fp32 plus 8 bytes per chunk;
+# eager kernels ("auto", the default, compiles them aside in each trainer: seconds of CPU, and
+# no bit changes, tests/test_quantize.py; the q8 replicas test runs the default on Ray)
+Q8 = {"compression": "q8", "warmup_steps": 0, "min_bucket_bytes": 0, "chunk_size": 256,
+      "codec": "eager"}  # fmt: skip
 
 
 def config(backend: str = "local", trainers: int = 2, **comm) -> RunConfig:
@@ -229,7 +232,7 @@ def test_ray_q8_replicas_agree_match_the_local_group_and_send_a_quarter(ray_sess
     Both replicas hold the same parameters; the in-process group computes the same bits;
     a new membership generation mid-run (what recovery does) changes nothing, since the
     reducer's state is the trainer's; bytes are ~0.26 of fp32's."""
-    comm = {**Q8, "rows_int8": True}
+    comm = {**Q8, "codec": "auto", "rows_int8": True}  # the default: compiled aside, on Ray too
     remote = run(config("ray", **comm), wiki, between=lambda learner: learner.group._connect())
     assert same_state(remote[3][0], remote[3][1])
     local = run(config("local", **comm), wiki)
@@ -249,7 +252,7 @@ def test_ray_q8_replicas_agree_match_the_local_group_and_send_a_quarter(ray_sess
 
 OVERLAP_CASES = {
     "adaptive": dict(compression="adaptive", warmup_steps=3, adaptive_every=7,
-                     min_bucket_bytes=4096, chunk_size=64, bucket_bytes=16_384),
+                     min_bucket_bytes=4096, chunk_size=64, bucket_bytes=16_384, codec="eager"),
     "none": dict(compression="none", bucket_bytes=16_384),
 }  # fmt: skip
 

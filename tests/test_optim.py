@@ -137,3 +137,33 @@ def test_regrow_keeps_the_moments_of_old_values_and_trains_the_grown_table():
     assert not torch.equal(grown.detach()[5:], old[5:])  # new rows train
     with pytest.raises(ValueError, match="grown or equal"):
         opt.regrow([bias])
+
+
+def test_state_moves_between_flat_adam_and_torch_adam_over_the_buffer():
+    """Adam's layout: a FlatAdam checkpoint continues in `torch.optim.Adam(fused=True)` over
+    the same buffer bitwise, and back."""
+    a, b = _net(), _net()
+    opt_a = FlatAdam(a.parameters(), lr=1e-2)
+    opt_b = FlatAdam(b.parameters(), lr=1e-2)
+    _train(a, opt_a, 3)
+    _train(b, opt_b, 3)
+    torch_adam = torch.optim.Adam([opt_b.flat], lr=1e-2, fused=True)
+    torch_adam.load_state_dict(copy.deepcopy(opt_b.state_dict()))
+    for opt, net in ((opt_a, a), (torch_adam, b)):  # same seeds: the same gradients
+        gen = torch.Generator().manual_seed(5)
+        for _ in range(3):
+            x = torch.randn(8, 16, generator=gen)
+            if opt is opt_a:
+                opt.zero_grad()
+            else:
+                opt_b.zero_grad()  # the views' buffer (torch's zero_grad would drop it)
+            net(x).pow(2).mean().backward()
+            opt.step()
+    assert torch.equal(opt_a.flat, opt_b.flat)
+    back = FlatAdam(_net(9).parameters(), lr=0.5)
+    back.load_state_dict(copy.deepcopy(torch_adam.state_dict()))
+    assert back.param_groups[0]["lr"] == 1e-2
+    for key, value in torch_adam.state[opt_b.flat].items():
+        assert torch.equal(back.state[back.flat][key], value), key
+    with pytest.raises(ValueError, match="one parameter group of one buffer"):
+        back.load_state_dict({"state": {}, "param_groups": [{"params": [0, 1]}]})

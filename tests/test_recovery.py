@@ -70,7 +70,7 @@ def test_a_trainer_dying_in_a_step_is_replaced_from_a_replica_bitwise(
 def overlapped(faults=()) -> RunConfig:
     """`config` with gradient buckets sent during backward (q8, some buckets exact)."""
     cfg = config(faults)
-    comm = {"compression": "q8", "warmup_steps": 2, "min_bucket_bytes": 4096,
+    comm = {"compression": "q8", "warmup_steps": 2, "min_bucket_bytes": 4096, "codec": "eager",
             "chunk_size": 64, "bucket_bytes": 16_384, "overlap": True}  # fmt: skip
     cfg.comm = RunConfig.from_dict({"comm": comm}).comm
     return cfg

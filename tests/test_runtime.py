@@ -39,3 +39,34 @@ def test_generator_state_restores_exactly_or_reseeds_from_another_device(caplog)
         load_generator_state(gen, torch.zeros(100, dtype=torch.uint8), "test")
     with pytest.raises(ValueError, match="uint8"):
         load_generator_state(gen, state.long(), "test")
+
+
+def test_a_trainer_process_never_imports_the_compiler_stack():
+    """`set_determinism`, the trainer's modules and a few `FlatAdam` steps, checkpointed and
+    loaded, in a fresh process: deterministic mode is on, and neither dynamo nor inductor was
+    imported (each costs a process start about as much CPU as importing torch). A compiled
+    codec kernel then still gets the deterministic switch into inductor's config."""
+    import subprocess
+
+    code = """
+import sys, torch
+from tidegraph.runtime import set_determinism, inductor_determinism
+import tidegraph.actors.trainer, tidegraph.actors.shard, tidegraph.actors.coordinator
+from tidegraph.training.optim import FlatAdam
+set_determinism(3, threads=1)
+net = torch.nn.Linear(4, 2)
+opt = FlatAdam(net.parameters(), lr=0.1)
+for _ in range(2):
+    opt.zero_grad()
+    net(torch.ones(3, 4)).sum().backward()
+    opt.step()
+opt.load_state_dict(opt.state_dict())
+loaded = sorted(m for m in sys.modules if m.startswith(("torch._dynamo", "torch._inductor")))
+print(torch.are_deterministic_algorithms_enabled(), loaded)
+inductor_determinism()
+import torch._inductor.config as config
+print(config.deterministic)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:2] == ["True []", "True"], out.stdout

@@ -6,8 +6,11 @@ constructors never do. Kernels: the backward of row gathers and `index_add` accu
 parallel (CPU threads or CUDA atomics) in a nondeterministic order, so deterministic mode calls
 `torch.use_deterministic_algorithms(True, warn_only=True)` (without its NaN fill of new tensors,
 `torch.utils.deterministic.fill_uninitialized_memory`: nothing here reads memory it did not
-write, and the fill is an extra pass over each allocation). On CPU two runs with the same seed
-and thread count are then bitwise identical; on CUDA that also needs
+write, and the fill is an extra pass over each allocation). The switch is set on ATen directly:
+torch's own function also imports inductor to copy the switch into inductor's config, which
+costs every actor a run starts about as much CPU as importing torch (benchmarks/RESULTS.md);
+inductor gets the switch before anything is compiled (`inductor_determinism`). On CPU two runs
+with the same seed and thread count are then bitwise identical; on CUDA that also needs
 `CUBLAS_WORKSPACE_CONFIG=:4096:8`, and ops without a deterministic kernel only warn.
 
 `tune_host_allocator` keeps freed host memory for reuse. glibc serves every allocation above its
@@ -26,7 +29,7 @@ import sys
 
 import torch
 
-__all__ = ["set_determinism", "tune_host_allocator"]
+__all__ = ["inductor_determinism", "set_determinism", "tune_host_allocator"]
 
 log = logging.getLogger(__name__)
 
@@ -61,10 +64,20 @@ def set_determinism(
     default dtype that models are built in."""
     if default_dtype is not None:
         torch.set_default_dtype(getattr(torch, default_dtype))
-    torch.use_deterministic_algorithms(deterministic, warn_only=True)
+    torch._C._set_deterministic_algorithms(deterministic, warn_only=True)
+    if "torch._inductor.config" in sys.modules:  # already imported: keep it in step
+        inductor_determinism()
     if deterministic:
         torch.utils.deterministic.fill_uninitialized_memory = False
     torch.manual_seed(int(seed) + int(rank))
     if threads:
         torch.set_num_threads(threads)
     log.debug("determinism %s, seed %d rank %d, threads %s", deterministic, seed, rank, threads)
+
+
+def inductor_determinism() -> None:
+    """Copy ATen's deterministic switch into inductor's config, as
+    `torch.use_deterministic_algorithms` does; call before `torch.compile`."""
+    import torch._inductor.config as inductor_config
+
+    inductor_config.deterministic = torch.are_deterministic_algorithms_enabled()

@@ -34,6 +34,8 @@ import types
 
 import torch
 
+from tidegraph.runtime import inductor_determinism
+
 __all__ = [
     "CODECS",
     "decode_rows",
@@ -154,6 +156,7 @@ class _Compiled:
         with cls.lock:
             fn = cls.ready.get((name, bits))
             if fn is None and not cls.failed:
+                inductor_determinism()
                 fn = torch.compile(_own_code(_KERNELS[name], bits), dynamic=True, options=_OPTIONS)
                 try:
                     fn(*_sample(name, bits))

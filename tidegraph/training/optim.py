@@ -27,10 +27,25 @@ from torch import nn
 __all__ = ["FlatAdam"]
 
 
-class FlatAdam(torch.optim.Adam):
-    """Fused Adam over `params` (same dtype and device), re-homed into one flat buffer."""
+class FlatAdam:
+    """Fused Adam over `params` (same dtype and device), re-homed into one flat buffer.
 
-    def __init__(self, params: Iterable[nn.Parameter], lr: float, **kwargs) -> None:
+    Not a `torch.optim.Optimizer`: its methods import torch's compiler stack (dynamo) on first
+    use, which costs every trainer process a run starts about as much CPU as importing torch
+    (benchmarks/RESULTS.md). The step is the fused kernel Adam's `fused=True` step calls, with
+    the same arguments; `param_groups`, `state`, `state_dict` and `load_state_dict` have
+    Adam's layout, so checkpoints move between the two."""
+
+    def __init__(
+        self,
+        params: Iterable[nn.Parameter],
+        lr: float,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        maximize: bool = False,
+    ) -> None:
         params = list(params)
         if not params:
             raise ValueError("FlatAdam: no parameters to optimize")
@@ -38,10 +53,40 @@ class FlatAdam(torch.optim.Adam):
         if len(kinds) != 1:
             raise ValueError(f"FlatAdam: parameters must share one dtype and device, got {kinds}")
         dtype, device = kinds.pop()
+        if not dtype.is_floating_point:
+            raise ValueError(f"FlatAdam: parameters must be floating point, got {dtype}")
         self.flat = _rehome(params, dtype, device)
         self.sizes = [p.numel() for p in params]
-        kwargs.setdefault("fused", True)
-        super().__init__([self.flat], lr=lr, **kwargs)
+        self.param_groups = [{
+            "params": [self.flat], "lr": lr, "betas": tuple(betas), "eps": eps,
+            "weight_decay": weight_decay, "amsgrad": amsgrad, "maximize": maximize,
+            "foreach": None, "capturable": False, "differentiable": False, "fused": True,
+            "decoupled_weight_decay": False,
+        }]  # fmt: skip
+        self.state: dict[torch.Tensor, dict] = {}
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """One Adam step of the whole buffer from `flat_grad` (moments made at the first)."""
+        group, flat = self.param_groups[0], self.flat
+        state = self.state.get(flat)
+        if not state:
+            state = self.state[flat] = {
+                "step": torch.zeros((), dtype=torch.float32, device=flat.device),
+                "exp_avg": torch.zeros_like(flat, memory_format=torch.preserve_format),
+                "exp_avg_sq": torch.zeros_like(flat, memory_format=torch.preserve_format),
+            }
+            if group["amsgrad"]:
+                state["max_exp_avg_sq"] = torch.zeros_like(flat)
+        state["step"].add_(1)
+        beta1, beta2 = group["betas"]
+        torch._fused_adam_(
+            [flat], [flat.grad], [state["exp_avg"]], [state["exp_avg_sq"]],
+            [state["max_exp_avg_sq"]] if group["amsgrad"] else [], [state["step"]],
+            amsgrad=group["amsgrad"], lr=group["lr"], beta1=beta1, beta2=beta2,
+            weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
+            grad_scale=None, found_inf=None,
+        )  # fmt: skip
 
     def regrow(self, params: Iterable[nn.Parameter]) -> None:
         """Take `params` (the same parameters in the same order, some of them larger: rows
@@ -68,24 +113,45 @@ class FlatAdam(torch.optim.Adam):
                     grown[b : b + n].copy_(state[key][a : a + n])
                 state[key] = grown
         self.param_groups[0]["params"] = [new_flat]
-        self.state[new_flat] = state
+        if state:
+            self.state[new_flat] = state
         self.flat, self.sizes = new_flat, sizes
 
+    def state_dict(self) -> dict:
+        """Adam's layout (the buffer is parameter 0) and the parameters' sizes."""
+        group = {k: v for k, v in self.param_groups[0].items() if k != "params"}
+        state = self.state.get(self.flat)
+        return {"state": {0: dict(state)} if state else {},
+                "param_groups": [{**group, "params": [0]}], "sizes": list(self.sizes)}  # fmt: skip
+
     def load_state_dict(self, state_dict: dict) -> None:
-        """Adam's, after checking that the saved moments cover this buffer (Adam itself would
-        only fail at the next step, inside the fused kernel)."""
-        total = self.flat.numel()
-        for key, value in state_dict.get("state", {}).get(0, {}).items():
+        """Hyperparameters and moments from `state_dict` (this class's or Adam's over one
+        buffer of the same size), copied: nothing stays shared with it."""
+        groups = state_dict.get("param_groups", [])
+        if len(groups) != 1 or len(groups[0].get("params", [])) != 1:
+            raise ValueError(
+                "FlatAdam.load_state_dict: expected one parameter group of one buffer, got "
+                f"{[len(g.get('params', [])) for g in groups]} parameters per group"
+            )
+        saved = state_dict.get("state", {})
+        moments = saved.get(groups[0]["params"][0], {})
+        total, flat = self.flat.numel(), self.flat
+        for key, value in moments.items():
             if key != "step" and torch.is_tensor(value) and value.numel() != total:
                 raise ValueError(
                     f"FlatAdam.load_state_dict: saved {key!r} has {value.numel()} values, this "
                     f"optimizer's parameters have {total} (a different model or layout)"
                 )
-        state_dict = {k: v for k, v in state_dict.items() if k != "sizes"}
-        super().load_state_dict(state_dict)
-
-    def state_dict(self) -> dict:
-        return {**super().state_dict(), "sizes": list(self.sizes)}
+        group = {k: v for k, v in groups[0].items() if k != "params"}
+        group["betas"] = tuple(group.get("betas", self.param_groups[0]["betas"]))
+        self.param_groups = [{**self.param_groups[0], **group, "params": [flat]}]
+        self.state = {}
+        if moments:
+            self.state[flat] = {
+                key: (value.to(dtype=torch.float32, device=flat.device, copy=True) if key == "step"
+                      else value.to(dtype=flat.dtype, device=flat.device, copy=True))
+                for key, value in moments.items()
+            }  # fmt: skip
 
     @property
     def flat_grad(self) -> torch.Tensor:
