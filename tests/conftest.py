@@ -1,4 +1,5 @@
-"""Shared fixtures: a `device` parameter that covers CPU always and CUDA under the `gpu` marker."""
+"""Shared fixtures: a `device` parameter that covers CPU always and CUDA under the `gpu` marker;
+a local Ray per test module; Ray groups that wait for members being started (`members_first`)."""
 
 import os
 
@@ -38,3 +39,37 @@ def ray_session():
     )  # fmt: skip
     yield
     ray.shutdown()
+
+
+@pytest.fixture
+def members_first(monkeypatch):
+    """Ray groups of this test wait, at each pass boundary, for the members being started to
+    be up (at most 120 s): trainers toward the wanted count, spares, shard successors, shard
+    actors toward the wanted count. Starting a process takes seconds of CPU, which a run
+    would otherwise have to outlast on 2 cores; so the elastic tests' runs can be short, and
+    members still join mid-run, at the next pass's first step boundary."""
+    import time
+
+    import ray
+
+    from tidegraph.orchestrator.ray_group import RayGroup
+
+    original = RayGroup._pass
+
+    def _pass(self, *args, **kwargs):
+        for _ in range(2400):  # bounded: 120 s
+            self._plan(force=True)  # starts members in placed slots; the requests are kept
+            starting = [j[2] for j in self.joiners.values()]
+            starting += [s[2] for s in self.shard_successors.values()]
+            starting += [s[2] for s in self.shard_joiners.values()]
+            lacking = len(self.joiners) < self.target - self.num_trainers
+            lacking = lacking or bool(self._wanted_moves - set(self.shard_successors))
+            hosts = len(self._shard_hosts()) + len(self.shard_joiners)
+            lacking = lacking or hosts < min(self.shard_target, self.num_shards)
+            up = ray.wait(starting, num_returns=len(starting), timeout=0)[0] if starting else []
+            if not lacking and len(up) == len(starting):
+                break
+            time.sleep(0.05)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(RayGroup, "_pass", _pass)

@@ -32,11 +32,12 @@ def wiki():
     return load_stream("wikipedia", EVENTS)
 
 
-EVENTS = 20000
+EVENTS = 6000
 
 
 def config(trainers, **cluster) -> RunConfig:
-    """A run long enough for a joining trainer's process to start (seconds) meanwhile."""
+    """About 160 training steps in 16 passes (members being started are waited for at a
+    pass boundary: `members_first`)."""
     raw = reference_run.reference_config("tgn")
     raw["model"]["slot_precision"] = "fp32"
     raw["data"]["max_events"] = EVENTS
@@ -118,7 +119,9 @@ def shrink_then_grow(learner) -> None:
     assert resize.main(["--run-name", learner.config.run_name, "--trainers", "2"]) == 0
 
 
-def test_an_operator_shrinks_and_grows_the_group_mid_run(ray_session, wiki, fixed, quick_polls):
+def test_an_operator_shrinks_and_grows_the_group_mid_run(
+    ray_session, wiki, fixed, quick_polls, members_first
+):
     told: list = []
 
     def during(learner) -> None:  # the controller's hook sees each resize start and end
@@ -137,7 +140,7 @@ def test_an_operator_shrinks_and_grows_the_group_mid_run(ray_session, wiki, fixe
 
 @pytest.mark.slow  # two more runs; run before resolving
 def test_a_group_sending_buckets_in_backward_shrinks_and_grows(
-    ray_session, wiki, fixed, quick_polls
+    ray_session, wiki, fixed, quick_polls, members_first
 ):
     """`comm.overlap` with fp32 buckets: the trainer that joins hooks its parameters and
     sends its buckets in backward like the others; the run matches the fixed group up to
@@ -155,7 +158,7 @@ def test_a_group_sending_buckets_in_backward_shrinks_and_grows(
 
 
 def test_a_spare_trainer_takes_a_lost_rank_without_a_process_start(
-    ray_session, wiki, fixed, quick_polls
+    ray_session, wiki, fixed, quick_polls, members_first
 ):
     """`cluster.spare_trainers: 1`: a trainer started ahead replaces one SIGKILLed mid-pass;
     the group keeps its size, so the run ends bitwise where the fault-free run ends."""
@@ -195,7 +198,9 @@ def test_the_resize_command_refuses_an_unknown_run_and_a_count_out_of_bounds(
         learner.group.shutdown()
 
 
-def test_a_shard_moved_mid_run_changes_nothing(ray_session, wiki, fixed, quick_polls):
+def test_a_shard_moved_mid_run_changes_nothing(
+    ray_session, wiki, fixed, quick_polls, members_first
+):
     """An operator moves partition 1 to a new shard actor (`jobs.resize --move-shard`): the
     successor starts while the group trains, copies the shard at a step boundary and takes
     its requests; every shard holds the log's events and the run is bitwise the fixed one."""
@@ -270,7 +275,7 @@ def test_the_linear_rule_scales_batch_and_learning_rate_with_the_group(
 
 
 def test_batch_history_resized_mid_pass_keeps_every_slice_at_its_batch_start(
-    ray_session, wiki, quick_polls
+    ray_session, wiki, quick_polls, members_first
 ):
     """`sampler.history: batch`: the rest of a pass is cut anew for the new group, and every
     slice still carries its global batch's start (cut at a slice's own start instead, the

@@ -32,8 +32,8 @@ def wiki():
 
 
 def config(shards, **cluster) -> RunConfig:
-    """test_elastic's run (long enough for an actor's process to start meanwhile) with 2
-    trainers and these shards."""
+    """test_elastic's run with 2 trainers and these shards (actors being started are waited
+    for at a pass boundary: `members_first`)."""
     return elastic_config(2, shards=shards, shard_cpus=0.25, **cluster)
 
 
@@ -85,7 +85,7 @@ def test_shard_bounds_in_the_config():
 
 
 def test_an_operator_shrinks_and_grows_the_shard_actors_mid_run(
-    ray_session, wiki, fixed, quick_polls
+    ray_session, wiki, fixed, quick_polls, members_first
 ):
     """4 partitions on 4 actors; the operator asks for 1 (three hand theirs to the one left)
     and then for 4 again (actors start while the group trains and take partitions over at
@@ -118,7 +118,7 @@ def test_an_operator_shrinks_and_grows_the_shard_actors_mid_run(
 
 
 def test_a_lost_actor_holding_two_partitions_is_rebuilt_by_the_survivors(
-    ray_session, wiki, fixed, quick_polls
+    ray_session, wiki, fixed, quick_polls, members_first
 ):
     """3 actors hold 4 partitions; the one holding two is SIGKILLed mid-pass. The two
     survivors each rebuild one of its partitions from the log at the same time (no process
@@ -148,7 +148,7 @@ def test_a_lost_actor_holding_two_partitions_is_rebuilt_by_the_survivors(
 
 
 @pytest.mark.slow  # two long runs; run before resolving
-def test_node_state_rows_move_with_their_partitions(ray_session, wiki, quick_polls):
+def test_node_state_rows_move_with_their_partitions(ray_session, wiki, quick_polls, members_first):
     """`cluster.memory: sharded`: shard actors own their partitions' node-state rows (TGN
     memory), so a partition that moves takes its rows along. 4 partitions, 4 actors -> 2 ->
     4 mid-run, bitwise the run with 4 fixed shards."""
