@@ -1,5 +1,6 @@
 """Shared fixtures: a `device` parameter that covers CPU always and CUDA under the `gpu` marker;
-a local Ray per test module; Ray groups that wait for members being started (`members_first`)."""
+a local Ray per test module; Ray groups whose trainers report every 10 ms (`quick_polls`) and
+that wait for members being started (`members_first`)."""
 
 import os
 
@@ -39,6 +40,15 @@ def ray_session():
     )  # fmt: skip
     yield
     ray.shutdown()
+
+
+@pytest.fixture
+def quick_polls(monkeypatch):
+    """Trainers report their steps (and read stop requests) every 10 ms: a kill or a resize
+    lands mid-pass."""
+    from tidegraph.orchestrator.ray_group import RayGroup
+
+    monkeypatch.setattr(RayGroup, "progress_s", 0.01)
 
 
 @pytest.fixture

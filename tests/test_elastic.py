@@ -17,7 +17,6 @@ import torch
 
 from tidegraph.jobs import resize
 from tidegraph.orchestrator import make_group
-from tidegraph.orchestrator.ray_group import RayGroup
 from tidegraph.training import RunConfig, load_stream
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -98,12 +97,6 @@ def wants(*counts, first: float = 0.1, every: float = 0.1):
             assert resize.main(argv) == 0  # the operator's command, in this process
 
     return during
-
-
-@pytest.fixture
-def quick_polls(monkeypatch):
-    """Trainers report (and read stop requests) every 10 ms: resizes land mid-pass."""
-    monkeypatch.setattr(RayGroup, "progress_s", 0.01)
 
 
 def shrink_then_grow(learner) -> None:

@@ -15,7 +15,6 @@ import pytest
 import ray
 
 from tidegraph.jobs import resize
-from tidegraph.orchestrator.ray_group import RayGroup
 from tidegraph.training import RunConfig, load_stream
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -40,11 +39,6 @@ def config(shards, **cluster) -> RunConfig:
 @pytest.fixture(scope="module")
 def fixed(ray_session, wiki):
     return run(config(PARTS), wiki)
-
-
-@pytest.fixture
-def quick_polls(monkeypatch):
-    monkeypatch.setattr(RayGroup, "progress_s", 0.01)
 
 
 def _at(learner, fraction: float) -> None:

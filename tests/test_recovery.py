@@ -107,12 +107,10 @@ def test_two_failures_in_a_row_the_second_of_a_replacement_source(ray_session, w
 
 
 @pytest.mark.slow  # the default suite has it in test_failures_one_after_another_...
-def test_a_trainer_sigkilled_from_outside_mid_pass_is_replaced(ray_session, wiki, fault_free):
-    default, RayGroup.progress_s = RayGroup.progress_s, 0.01  # trainers report steps often
-    try:
-        got = run(config(), wiki, during=kill_when(4, lambda g: g.trainers[1]))
-    finally:
-        RayGroup.progress_s = default
+def test_a_trainer_sigkilled_from_outside_mid_pass_is_replaced(
+    ray_session, wiki, fault_free, quick_polls
+):
+    got = run(config(), wiki, during=kill_when(4, lambda g: g.trainers[1]))
     assert [e["lost"] for e in got["recoveries"]] == [[1]]
     assert_same_run(got, fault_free)
 
@@ -174,19 +172,41 @@ def kill_when(progress: int, actor_of):
     return during
 
 
+def kill_after(learner, actor_of, recovered: int) -> bool:
+    """SIGKILL the process of `actor_of(group)` once the group has `recovered` recoveries
+    behind it and its trainers report 4 steps of a later stretch of training; False when
+    the run ended first."""
+    group = learner.group
+    for _ in range(24000):  # bounded: until the earlier failures are recovered
+        if len(group.recoveries) >= recovered or learner.done:
+            break
+        time.sleep(0.005)
+    base = ray.get(group.coordinator.progress.remote())
+    pid = ray.get(actor_of(group).pid.remote())
+    for _ in range(6000):  # bounded: a few steps into the stretch under way
+        if learner.done:
+            return False
+        progress = ray.get(group.coordinator.progress.remote())
+        if progress >= 4 and progress != base:
+            os.kill(pid, signal.SIGKILL)
+            return True
+        time.sleep(0.005)
+    return False
+
+
 @pytest.mark.slow  # the default suite has it in test_failures_one_after_another_...
-def test_a_shard_sigkilled_mid_pass_is_rebuilt_from_the_log_exactly(ray_session, wiki, fault_free):
-    default, RayGroup.progress_s = RayGroup.progress_s, 0.01
-    try:
-        got = run(config(), wiki, during=kill_when(4, lambda g: g.shards[1]))
-    finally:
-        RayGroup.progress_s = default
+def test_a_shard_sigkilled_mid_pass_is_rebuilt_from_the_log_exactly(
+    ray_session, wiki, fault_free, quick_polls
+):
+    got = run(config(), wiki, during=kill_when(4, lambda g: g.shards[1]))
     rebuilt = [e for e in got["recoveries"] if "events" in e]
     assert [e["lost_shards"] for e in rebuilt] == [[1]]
     assert_same_run(got, fault_free)  # including every shard's event count
 
 
-def test_failures_one_after_another_end_as_the_fault_free_run(ray_session, wiki, fault_free):
+def test_failures_one_after_another_end_as_the_fault_free_run(
+    ray_session, wiki, fault_free, quick_polls
+):
     """Four failures in one run, each after the last was recovered: trainer 1 dies in its
     forward at step 2 (replaced from trainer 0), trainer 0 at its all-reduce at step 9 (the
     replacement's source: replaced from the replacement), trainer 1's process is SIGKILLed
@@ -200,31 +220,12 @@ def test_failures_one_after_another_end_as_the_fault_free_run(ray_session, wiki,
     killed = []
 
     def during(learner) -> None:
-        group = learner.group
         for victim, after in ((lambda g: g.trainers[1], 2), (lambda g: g.shards[1], 3)):
-            for _ in range(24000):  # bounded: until the earlier failures are recovered
-                if len(group.recoveries) >= after or learner.done:
-                    break
-                time.sleep(0.005)
-            if learner.done:
+            if not kill_after(learner, victim, after):
                 return
-            base = ray.get(group.coordinator.progress.remote())
-            pid = ray.get(victim(group).pid.remote())
-            for _ in range(6000):  # bounded: a few steps into the pass under way
-                if learner.done:
-                    return
-                progress = ray.get(group.coordinator.progress.remote())
-                if progress >= 4 and progress != base:
-                    os.kill(pid, signal.SIGKILL)
-                    killed.append(pid)
-                    break
-                time.sleep(0.005)
+            killed.append(victim)
 
-    default, RayGroup.progress_s = RayGroup.progress_s, 0.01  # trainers report steps often
-    try:
-        got = run(config(faults), wiki, during=during)
-    finally:
-        RayGroup.progress_s = default
+    got = run(config(faults), wiki, during=during)
     assert len(killed) == 2, killed  # both kills from outside happened
     trainers = [e for e in got["recoveries"] if e.get("lost")]
     assert [(e["lost"], e["source"]) for e in trainers[:2]] == [([1], 0), ([0], 1)]
@@ -287,15 +288,13 @@ def test_a_lost_shard_restarts_from_its_checkpoint_snapshot(
 
 
 @pytest.mark.slow  # the default suite: test_a_lost_replica_then_a_lost_primary_...
-def test_a_lost_shard_with_a_replica_is_replaced_by_it_exactly(ray_session, wiki, fault_free):
+def test_a_lost_shard_with_a_replica_is_replaced_by_it_exactly(
+    ray_session, wiki, fault_free, quick_polls
+):
     """`cluster.shard_replicas: 2`: shard 1 SIGKILLed mid-pass; its replica (which took
     every ingest) takes its place without replaying the log, and the run is bitwise the
     fault-free one with every shard holding the log's events."""
-    default, RayGroup.progress_s = RayGroup.progress_s, 0.01
-    try:
-        got = run(config(shard_replicas=2), wiki, during=kill_when(4, lambda g: g.shards[1]))
-    finally:
-        RayGroup.progress_s = default
+    got = run(config(shard_replicas=2), wiki, during=kill_when(4, lambda g: g.shards[1]))
     promoted = [e for e in got["recoveries"] if e.get("promoted")]
     assert [e["promoted"] for e in promoted] == [[1]]
     assert not [e for e in got["recoveries"] if "events" in e and not e.get("promoted")]
@@ -303,21 +302,19 @@ def test_a_lost_shard_with_a_replica_is_replaced_by_it_exactly(ray_session, wiki
 
 
 @pytest.mark.slow  # the default suite: test_a_lost_replica_then_a_lost_primary_...
-def test_a_lost_replica_is_dropped_and_the_run_goes_on(ray_session, wiki, fault_free):
+def test_a_lost_replica_is_dropped_and_the_run_goes_on(ray_session, wiki, fault_free, quick_polls):
     """A replica SIGKILLed: the next write finds it gone, the group drops it (a new one
     starts in the background) and nothing else changes."""
-    default, RayGroup.progress_s = RayGroup.progress_s, 0.01
-    try:
-        got = run(config(shard_replicas=2), wiki,
-                  during=kill_when(4, lambda g: g.replicas[0][0]))  # fmt: skip
-    finally:
-        RayGroup.progress_s = default
+    got = run(config(shard_replicas=2), wiki,
+              during=kill_when(4, lambda g: g.replicas[0][0]))  # fmt: skip
     assert [e.get("lost_replicas") for e in got["recoveries"]] == [[[0, 0]]]
     assert not got["recoveries"][0]["lost_shards"] and not got["recoveries"][0]["lost"]
     assert_same_run(got, fault_free)
 
 
-def test_a_lost_replica_then_a_lost_primary_change_nothing(ray_session, wiki, fault_free):
+def test_a_lost_replica_then_a_lost_primary_change_nothing(
+    ray_session, wiki, fault_free, quick_polls
+):
     """`cluster.shard_replicas: 2`: shard 0's replica is SIGKILLed (the next write finds it
     gone, the group drops it and starts a new one in the background), then shard 1's
     primary, whose replica (which took every ingest) takes its place without replaying the
@@ -325,31 +322,12 @@ def test_a_lost_replica_then_a_lost_primary_change_nothing(ray_session, wiki, fa
     killed = []
 
     def during(learner) -> None:
-        group = learner.group
         kill_when(4, lambda g: g.replicas[0][0])(learner)
         killed.append("replica")
-        for _ in range(24000):  # bounded: until the lost replica was noticed
-            if group.recoveries or learner.done:
-                break
-            time.sleep(0.005)
-        if not learner.done:
-            base = ray.get(group.coordinator.progress.remote())
-            pid = ray.get(group.shards[1].pid.remote())
-            for _ in range(6000):  # bounded: a few steps into a later stretch of training
-                if learner.done:
-                    return
-                progress = ray.get(group.coordinator.progress.remote())
-                if progress >= 4 and progress != base:
-                    os.kill(pid, signal.SIGKILL)
-                    killed.append("primary")
-                    return
-                time.sleep(0.005)
+        if kill_after(learner, lambda g: g.shards[1], 1):
+            killed.append("primary")
 
-    default, RayGroup.progress_s = RayGroup.progress_s, 0.01
-    try:
-        got = run(config(shard_replicas=2), wiki, during=during)
-    finally:
-        RayGroup.progress_s = default
+    got = run(config(shard_replicas=2), wiki, during=during)
     assert killed == ["replica", "primary"]
     first = got["recoveries"][0]
     assert first.get("lost_replicas") == [[0, 0]]
