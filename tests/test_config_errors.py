@@ -29,6 +29,8 @@ BAD = [
     ({"continual": {"num_increments": True}}, ["continual.num_increments"]),
     ({"cluster": {"trainers": "2"}}, ["cluster.trainers", "an integer"]),
     ({"cluster": {"faults": 3}}, ["cluster.faults", "a list"]),
+    ({"cluster": {"trainer_gpus": 2}}, ["cluster.trainer_gpus", "(0, 1]", "2"]),
+    ({"cluster": {"trainer_gpus": 0}}, ["cluster.trainer_gpus", "(0, 1]"]),
     ({"comm": {"adaptive_bits": [8, "x"]}}, ["comm.adaptive_bits[1]"]),
     ({"comm": {"error_feedback": "no"}}, ["comm.error_feedback"]),
     ({"seed": "zero"}, ["seed", "an integer"]),
@@ -137,3 +139,24 @@ def test_batch_history_with_several_trainers_is_accepted_everywhere():
         for trainers in (2, {"min": 1, "max": 2}):
             raw = batch | {"cluster": {"backend": "ray", "trainers": trainers, **cluster}}
             assert RunConfig.from_dict(raw).sampler.history == "batch"
+
+
+@pytest.mark.parametrize(
+    "cluster, gpus, share",
+    [
+        ({"trainers": 2}, 1, 0.5),  # two trainers on a one-GPU machine share it
+        ({"trainers": 2}, 2, 1.0),
+        ({"trainers": 2}, 8, 1.0),
+        ({"trainers": 4}, 3, 0.5),  # 2 a GPU: 0.75 each would fit only 3 trainers
+        ({"trainers": 3}, 1, 1 / 3),
+        ({"trainers": {"min": 1, "max": 4}}, 2, 0.5),  # slots for the most trainers
+        ({"trainers": 2, "spare_trainers": 1}, 2, 0.5),  # and the spares
+        ({"trainers": 2}, 0, 1.0),  # none yet: whole GPUs, the placement wait says so
+        ({"trainers": 2, "trainer_gpus": 0.25}, 8, 0.25),  # set: as set
+    ],
+)
+def test_trainers_share_the_gpus_there_are(cluster, gpus, share):
+    from tidegraph.orchestrator.placement import trainer_gpu_share
+
+    config = RunConfig.from_dict({"cluster": cluster})
+    assert trainer_gpu_share(config.cluster, gpus) == pytest.approx(share)

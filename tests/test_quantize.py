@@ -226,6 +226,23 @@ def test_stochastic_int8_rows_are_unbiased():
     assert ((back - batch).abs() <= step * (1 + 1e-5)).all()
 
 
+def compiled_or_skip(fn, *args, **kwargs):
+    """`fn(*args, **kwargs)`, a codec "compiled" call; a skip naming the cause where
+    inductor compiles nothing for the CPU on this machine (no C++ compiler or Python
+    headers: a trivial function fails too); a failure of our kernels alone still fails."""
+    try:
+        return fn(*args, **kwargs)
+    except RuntimeError as e:
+        if "compiling the kernels failed" not in str(e):
+            raise
+        try:
+            torch.compile(lambda x: x * 2 + 1)(torch.ones(3))
+        except Exception as probe:  # noqa: BLE001 - any compiler failure
+            pytest.skip(f"inductor cannot compile for the CPU here: {type(probe).__name__}: "
+                        f"{str(probe).splitlines()[0] if str(probe) else ''}")  # fmt: skip
+        raise
+
+
 @pytest.mark.parametrize("bits", BITS)
 def test_compiled_and_eager_kernels_give_the_same_bits(bits, monkeypatch):
     # blocks small enough that both paths cut the rows into several calls, differently
@@ -239,7 +256,7 @@ def test_compiled_and_eager_kernels_give_the_same_bits(bits, monkeypatch):
         x[0, :4] = 0.0  # a constant run, and a chunk of one value repeated
         x[-1] = 3.0
         eager = kernels.encode_rows(x, key, bits, codec="eager")
-        compiled = kernels.encode_rows(x, key, bits, codec="compiled")
+        compiled = compiled_or_skip(kernels.encode_rows, x, key, bits, codec="compiled")
         for a, b in zip(eager, compiled, strict=True):
             assert torch.equal(a, b)
         back = kernels.decode_rows(*eager, bits, codec="eager")
@@ -298,6 +315,6 @@ def test_requantize_sum_is_decode_sum_quantize_in_one_pass(world, bits):
             total = total / world
         expected = quantize_chunks(total, bits, _gen(31), codec="eager")
         for codec in ("eager", "compiled"):
-            got = requantize_sum(*codes, world, average, bits, _gen(31), codec)
+            got = compiled_or_skip(requantize_sum, *codes, world, average, bits, _gen(31), codec)
             for a, b in zip(expected, got, strict=True):
                 assert torch.equal(a, b)

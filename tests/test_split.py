@@ -60,7 +60,12 @@ def test_one_shard_one_trainer_reproduces_the_recorded_learner():
     """Recorded on another CPU (tests/reference_run.py): integer and boolean state bitwise,
     float state and metrics at tolerances 10x above the float noise measured between two
     CPUs (a stale or double-applied memory row, a lost step, or negatives drawn otherwise
-    move them far more; the bitwise claims are checked on one machine by the tests below)."""
+    move them far more; the bitwise claims are checked on one machine by the tests below).
+    A float tensor may differ by 1% of its norm plus a tenth of one Adam step (lr): a
+    parameter whose gradients nearly cancel (a one-element bias) ends near zero, where Adam's
+    normalised steps, whose signs follow last-bit noise, dominate its value (tgat's output
+    bias: 5.4e-4 against the recorded 5.0e-4 on an Intel Xeon with AVX-512 and torch 2.11),
+    while a lost or repeated step moves every parameter by about one step."""
     recorded = json.loads(reference_run.REFERENCE.read_text())
     with tempfile.TemporaryDirectory() as tmp:
         now = reference_run.run_all(Path(tmp))
@@ -72,9 +77,10 @@ def test_one_shard_one_trainer_reproduces_the_recorded_learner():
             if key not in want["summary"]:
                 assert got["state"][key] == digest, (name, key)
         assert got["summary"].keys() == want["summary"].keys(), name
+        lr = RunConfig.from_dict(reference_run.reference_config(name.split("+")[0])).train.lr
         for key, (norm, *proj) in want["summary"].items():
             g_norm, *g_proj = got["summary"][key]
-            bound = 1e-2 * norm + 1e-6
+            bound = 1e-2 * norm + 0.1 * lr
             assert abs(g_norm - norm) <= bound, (name, key, g_norm, norm)
             assert all(abs(a - b) <= bound for a, b in zip(g_proj, proj, strict=True)), key
         assert len(got["metrics"]) == len(want["metrics"]), name

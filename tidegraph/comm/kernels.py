@@ -149,6 +149,7 @@ class _Compiled:
     ready: dict[tuple[str, int], object] = {}
     started: set[tuple[str, int]] = set()
     failed = False
+    error = ""  # why compiling failed: the first line of the error
 
     @classmethod
     def get(cls, name: str, bits: int):
@@ -183,9 +184,9 @@ class _Compiled:
         with cls.lock:
             if not cls.failed:
                 first = str(err).splitlines()[0] if str(err) else ""
-                log.warning("codec: compiling the kernels failed (%s: %s); running them "
-                            "eagerly from now on (same results, slower)", type(err).__name__,
-                            first)  # fmt: skip
+                cls.error = f"{type(err).__name__}: {first}"
+                log.warning("codec: compiling the kernels failed (%s); running them eagerly "
+                            "from now on (same results, slower)", cls.error)  # fmt: skip
             cls.failed = True
 
 
@@ -221,7 +222,9 @@ def _kernel(name: str, codec: str, bits: int, device: torch.device, rows: int):
     if codec == "compiled":
         fn = _Compiled.get(name, bits)
         if fn is None:
-            raise RuntimeError("codec 'compiled': compiling the kernels failed (see the log)")
+            raise RuntimeError(
+                f"codec 'compiled': compiling the kernels failed ({_Compiled.error})"
+            )
         return fn
     # auto: inductor's C++ backend on CPU only (CUDA eager is bandwidth-bound already)
     if device.type != "cpu" or not _has_compiler():

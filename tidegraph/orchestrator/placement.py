@@ -11,6 +11,7 @@ whether an actor is alive; and turn an actor's failure in its constructor into t
 from __future__ import annotations
 
 import logging
+import math
 import re
 import time
 
@@ -68,6 +69,21 @@ def trainer_bounds(c) -> tuple[int, int]:
     lo = getattr(c, "min_trainers", None) or c.trainers
     hi = getattr(c, "max_trainers", None) or c.trainers
     return lo, hi
+
+
+def trainer_gpu_share(c, cluster_gpus: float) -> float:
+    """GPUs per trainer on CUDA: `cluster.trainer_gpus` when set; else 1 when the cluster has
+    a GPU for each trainer slot (the most trainers plus spares), else 1 / k with k trainers
+    per GPU (k rounded up: 3 GPUs for 4 trainers give 2 a GPU, since Ray packs fractions on
+    one GPU each). A cluster with no GPU yet gets 1 (an autoscaler may add GPU nodes; the
+    placement error names what is missing)."""
+    if getattr(c, "trainer_gpus", None):
+        return float(c.trainer_gpus)
+    slots = trainer_bounds(c)[1] + getattr(c, "spare_trainers", 0)
+    gpus = int(cluster_gpus)
+    if gpus < 1 or gpus >= slots:
+        return 1.0
+    return 1.0 / math.ceil(slots / gpus)
 
 
 def shard_bounds(c) -> tuple[int, int]:
@@ -149,7 +165,7 @@ class Placement:
         placement group (`member`: a new one, whose group is in `member_slots`), with tables
         for `num_nodes` nodes (default: as many as ingested)."""
         c = self.config.cluster
-        raw, edge_dim, cuda = self._trainer_args
+        raw, edge_dim, _ = self._trainer_args
         member = self.members[w] if member is None else member
         where = PlacementGroupSchedulingStrategy(self.member_slots[member], 0)
         incarnation = self.incarnations[w] if w < len(self.incarnations) else 0
@@ -158,7 +174,7 @@ class Placement:
             try:
                 return TrainerActor.options(
                     name=f"tidegraph-trainer-{member}", num_cpus=c.trainer_cpus,
-                    num_gpus=1 if cuda else 0, namespace=self.namespace, lifetime=None,
+                    num_gpus=self.trainer_gpus, namespace=self.namespace, lifetime=None,
                     scheduling_strategy=where,
                 ).remote(
                     self._runtime(w), raw, w, self.num_trainers if world is None else world,

@@ -52,6 +52,7 @@ from tidegraph.orchestrator.placement import (
     slot_table,
     spare_count,
     trainer_bounds,
+    trainer_gpu_share,
     value_error,
 )
 from tidegraph.orchestrator.recovering import TrainerRecovery
@@ -133,10 +134,14 @@ class RayGroup(
         self.shard_spares: list[tuple] = []  # (placement group, bundle) with no host yet
         self.shard_joiners: dict[int, tuple] = {}  # id(slot's group): (slot, actor, answer)
         self._hosts_named = itertools.count()  # shard actors started later get unique names
-        self.trainer_bundle = {"CPU": c.trainer_cpus, **({"GPU": 1} if cuda else {})}
         # a placement group per trainer (a slot), up to the most trainers the run may have:
         # Ray claims a new node's resources for the pending ones as they appear
         self.min_trainers, self.max_trainers = trainer_bounds(c)
+        self.trainer_gpus = (
+            trainer_gpu_share(c, ray.cluster_resources().get("GPU", 0)) if cuda else 0.0
+        )
+        self.trainer_bundle = {"CPU": c.trainer_cpus,
+                               **({"GPU": self.trainer_gpus} if cuda else {})}  # fmt: skip
         self.target = self.max_trainers
         # the minimum first: slots beyond it, asked for at once, could take the room the
         # shards need (Ray may place later groups first when resources free up)

@@ -235,6 +235,10 @@ class ClusterConfig:
     # and the limit of any collective between trainers (a hung peer fails the step then)
     trainer_cpus: float = 1.0
     shard_cpus: float = 0.5
+    # GPUs per trainer on CUDA (ray backend), in (0, 1]; None: a whole GPU each when the
+    # cluster has one for every trainer slot (max trainers and spares), else an equal share
+    # (1 / trainers per GPU, rounded up), so 2 trainers run on a one-GPU machine
+    trainer_gpus: float | None = None
     collective_timeout_s: float = 120.0
     # trainers sample shards on their own node in place, over the shards' segments in Ray's
     # object store (zero-copy); shards on other nodes answer requests
@@ -276,6 +280,10 @@ class ClusterConfig:
                 f"cluster.max_recoveries must be an integer >= 0, got {self.max_recoveries}"
             )
         self._trainer_bounds()
+        if self.trainer_gpus is not None and not 0 < self.trainer_gpus <= 1:
+            raise ValueError(
+                f"cluster.trainer_gpus must be in (0, 1] or null, got {self.trainer_gpus}"
+            )
         self._bounds("shards")
         if self.min_shards < self.max_shards and self.shard_replicas > 1:
             raise ValueError("cluster.shards {min, max} with cluster.shard_replicas > 1 is not "

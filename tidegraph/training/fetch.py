@@ -111,7 +111,8 @@ def join_edge_features(
         eids.append(events.eid)
     if not eids:
         return events
-    rows = store.get(torch.cat(eids))
+    # blocks are on the trainer's device, a batch's events may still be on the host
+    rows = store.get(torch.cat([e.to(eids[0].device) for e in eids]))
     parts = rows.split([e.shape[0] for e in eids])
     for b, part in zip(flat, parts, strict=False):
         b.edge_feat = part
