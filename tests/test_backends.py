@@ -653,8 +653,9 @@ CASES = [
         check=on_both(_sharded),
     ),
     Case(
-        "cluster.trainer_cpus+shard_cpus",
-        {"cluster": {"trainer_cpus": 0.5, "shard_cpus": 0.25}},
+        # trainer_gpus: the share of a GPU on CUDA; on the CPU no bundle asks for one
+        "cluster.trainer_cpus+shard_cpus+trainer_gpus",
+        {"cluster": {"trainer_cpus": 0.5, "shard_cpus": 0.25, "trainer_gpus": 0.5}},
         "same",
         check=on_ray(_bundles(0.5, 0.25)),
     ),
@@ -804,7 +805,8 @@ COMBINED = [
         "continual": {"increment_events": 150, "replay": "importance", "importance_floor": 0.3,
                       "replay_ratio": 0.8, "fresh_optimizer": True, "retrain_epochs": 2},
         "cluster": {"spare_trainers": 1, "shard_replicas": 2, "trainer_cpus": 0.5,
-                    "shard_cpus": 0.25, "collective_timeout_s": 60.0, "max_recoveries": 3,
+                    "shard_cpus": 0.25, "trainer_gpus": 0.5, "collective_timeout_s": 60.0,
+                    "max_recoveries": 3,
                     "elastic_poll_s": 0.2, "scale_rule": "linear", "update_log_every": 2,
                     "faults": FAULT, "partitioner": "ldg", "rebalance_tolerance": 0.0,
                     "memory": "replicated"},
