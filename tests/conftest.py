@@ -1,6 +1,6 @@
 """Shared fixtures: a `device` parameter that covers CPU always and CUDA under the `gpu` marker;
-a local Ray per test module; Ray groups whose trainers report every 10 ms (`quick_polls`) and
-that wait for members being started (`members_first`)."""
+a local Ray shared by the modules that use it; Ray groups whose trainers report every 10 ms
+(`quick_polls`) and that wait for members being started (`members_first`)."""
 
 import os
 
@@ -21,6 +21,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not CUDA:
             item.add_marker(skip_gpu)
+    # the modules that use the shared local Ray (`ray_session`) run last, one after another,
+    # each in its own order: Ray starts once, and no other test meets it (tests that start
+    # Ray or a cluster of their own, or a job that would join a running Ray, run before)
+    shared = {item.module.__name__ for item in items if "ray_session" in item.fixturenames}
+    items.sort(key=lambda item: item.module.__name__ in shared)  # stable
 
 
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -29,9 +34,11 @@ def device(request) -> torch.device:
     return torch.device(request.param)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def ray_session():
-    """A local Ray on loopback for one test module (its actors and namespaces go with it)."""
+    """A local Ray on loopback, shared by the modules that ask for it (they run last, see
+    `pytest_collection_modifyitems`): starting Ray costs seconds of CPU. Every Ray group a
+    test builds is shut down by that test, its actors and placement groups with it."""
     import ray
 
     ray.init(  # "local": a Ray of its own, never a cluster that happens to run here

@@ -19,7 +19,8 @@ from threads import Watched
 from tidegraph.orchestrator import RunState, make_group
 from tidegraph.runtime import set_determinism
 from tidegraph.storage.eventlog import EventLog
-from tidegraph.training import ContinualLearner
+from tidegraph.training import ContinualLearner, RunConfig
+from tidegraph.training.group import LocalGroup
 
 METRICS = ("ap", "auc", "mrr", "old_ap", "loss", "val_ap", "replayed")
 
@@ -69,6 +70,14 @@ def run(cfg, stream, during=None, join_s: float = 60.0, during_in_main: bool = F
             learner.group.shutdown()
 
 
+def reference(cfg, stream) -> dict:
+    """The fault-free run of `cfg` on the in-process group (`cluster.backend: local`), which
+    is bitwise the Ray group's (`test_ray`) and starts no process."""
+    raw = cfg.to_dict()
+    raw["cluster"] = {**raw["cluster"], "backend": "local"}
+    return run(RunConfig.from_dict(raw), stream)
+
+
 def outcome(learner, log: EventLog) -> dict:
     """What a finished run is compared by, once every partition was found to hold exactly
     the events of `log` (its durable event log)."""
@@ -78,17 +87,20 @@ def outcome(learner, log: EventLog) -> dict:
                                    learner.cursor.ingested)  # fmt: skip
     report = group.report(learner.stream.events.src, learner.stream.events.dst)
     assert report["shard_events"] == counts  # what the group reports is what it holds
+    local = isinstance(group, LocalGroup)  # a reference run, in this process
     return {
         "model": group.model_state(),
         "node_rows": [node_rows(s["node_state"]) for s in shards],  # sharded node state
         "history": learner.history,
         "steps": learner.cursor.step,
-        "trainer_steps": group._all("__getattribute__", "steps"),
+        "trainer_steps": (
+            [t.steps for t in group.trainers] if local else group._all("__getattribute__", "steps")
+        ),
         "recoveries": list(group.recoveries),
         "resizes": list(getattr(group, "resizes", [])),
         "shard_moves": list(getattr(group, "shard_moves", [])),
         "shard_resizes": list(getattr(group, "shard_resizes", [])),
-        "placement": group.placement(),
+        "placement": {} if local else group.placement(),
         "shard_events": report,
         "comm": group.comm_totals(),  # trainer 0's gradient totals (None: plain fp32)
     }

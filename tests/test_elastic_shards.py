@@ -18,7 +18,7 @@ from tidegraph.jobs import resize
 from tidegraph.training import RunConfig, load_stream
 
 sys.path.insert(0, str(Path(__file__).parent))
-from recovery_run import assert_same_run, run  # noqa: E402
+from recovery_run import assert_same_run, reference, run  # noqa: E402
 from test_elastic import EVENTS  # noqa: E402
 from test_elastic import config as elastic_config  # noqa: E402
 
@@ -37,8 +37,8 @@ def config(shards, **cluster) -> RunConfig:
 
 
 @pytest.fixture(scope="module")
-def fixed(ray_session, wiki):
-    return run(config(PARTS), wiki)
+def fixed(wiki):
+    return reference(config(PARTS), wiki)
 
 
 def _at(learner, fraction: float) -> None:

@@ -128,6 +128,7 @@ def test_closing_the_metrics_server_frees_its_port():
 
 def test_store_host_listens_on_its_host_and_serves_the_group():
     import datetime
+    import socket
 
     import torch.distributed as dist
 
@@ -135,7 +136,10 @@ def test_store_host_listens_on_its_host_and_serves_the_group():
 
     host = StoreHost("127.0.0.1")
     addr, port = host.address()
-    assert host._socket.getsockname() == ("127.0.0.1", port)
+    assert addr == "127.0.0.1"
+    # its host's address only: 127.0.0.2 reaches this machine too, but nothing listens there
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.2", port), timeout=5).close()
     client = dist.TCPStore(addr, port, is_master=False,
                            timeout=datetime.timedelta(seconds=10))  # fmt: skip
     client.set("k", "v")

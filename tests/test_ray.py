@@ -87,9 +87,17 @@ def _flat(x) -> list[torch.Tensor]:
     return [torch.as_tensor(x)]
 
 
-def test_actors_are_named_in_the_run_namespace_and_released(ray_session, wiki):
-    learner = ContinualLearner(config(shards=2, trainers=2), wiki, make_group)
+def test_actors_are_named_report_a_pass_while_it_runs_and_are_released(ray_session, wiki):
+    """Actors are named in the run's namespace; a whole pass per task reports its steps to
+    the driver while it runs (trainers report every 20 ms here); a lost actor's name outlives
+    it until the GCS marks it dead; shutdown releases every name."""
+    default, RayGroup.progress_s = RayGroup.progress_s, 0.02
+    try:
+        learner = ContinualLearner(config(shards=2, trainers=2), wiki, make_group)
+    finally:
+        RayGroup.progress_s = default
     group = learner.group
+    group.progress_s = 0.02
     names = ["tidegraph-shard-0", "tidegraph-shard-1", "tidegraph-trainer-0",
              "tidegraph-trainer-1", "tidegraph-coordinator"]  # fmt: skip
     for name in names:
@@ -98,6 +106,17 @@ def test_actors_are_named_in_the_run_namespace_and_released(ray_session, wiki):
     assert group.alive() == (2, 2)
     assert isinstance(group, Group)  # the interface the learner and controller use
     assert group.shard_actors == 2 and group.supports_update_log
+    assert group.runs_passes
+    learner.ingest(0, len(wiki.events))
+    gen = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(40):  # many small steps: the pass runs for a while
+        ev = wiki.events.select(slice(0, 20))
+        neg = torch.randint(0, learner.num_nodes, (20, 1), generator=gen)
+        batches.append((ev, None, neg, 0))
+    seen = []
+    assert len(group.train_pass(batches, seen.append)) == 40
+    assert seen == sorted(seen) and any(0 < s < 40 for s in seen), seen
     os.kill(ray.get(group.trainers[1].pid.remote()), signal.SIGKILL)  # the name outlives it
     ray.kill(group.shards[0].actor)
     for _ in range(100):  # the GCS learns of the deaths asynchronously: bounded wait
@@ -160,28 +179,3 @@ def test_an_actor_failing_in_its_constructor_names_the_cause_and_frees_the_group
     assert ray.available_resources().get("CPU") == total
     with pytest.raises(ValueError):
         ray.get_actor("tidegraph-coordinator", namespace="tidegraph-test-run")
-
-
-def test_a_whole_pass_reports_its_steps_to_the_driver_while_it_runs(ray_session, wiki):
-    default, RayGroup.progress_s = RayGroup.progress_s, 0.02  # trainers report every 20 ms
-    try:
-        learner = ContinualLearner(config(shards=1, trainers=2), wiki, make_group)
-    finally:
-        RayGroup.progress_s = default
-    group = learner.group
-    group.progress_s = 0.02
-    try:
-        assert group.runs_passes
-        learner.ingest(0, len(wiki.events))
-        gen = torch.Generator().manual_seed(0)
-        batches = []
-        for _ in range(40):  # many small steps: the pass runs for a while
-            ev = wiki.events.select(slice(0, 20))
-            neg = torch.randint(0, learner.num_nodes, (20, 1), generator=gen)
-            batches.append((ev, None, neg, 0))
-        seen = []
-        losses = group.train_pass(batches, seen.append)
-        assert len(losses) == 40
-        assert seen == sorted(seen) and any(0 < s < 40 for s in seen), seen
-    finally:
-        group.shutdown()

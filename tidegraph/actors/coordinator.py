@@ -1,5 +1,8 @@
-"""The coordinator actor: hosts the trainers' rendezvous store (never a trainer's process),
-the progress of the pass under way, and the run's membership requests.
+"""The coordinator actor: the progress of the pass under way, and the run's membership
+requests. It imports no torch (a process start of about 1 CPU-s instead of 3.4): the trainers'
+rendezvous store lives in the driver's process (`RayGroup.store`), on the same node and with
+the same fate (this actor is the driver's and dies with it), and here only where the driver
+runs outside the cluster (Ray Client), where trainers could not reach it (`host_store`).
 
 While trainers run a whole pass in one task, the driver only waits; trainer 0 reports the
 steps it finished here (at most every half second, without waiting for an answer) and the
@@ -16,21 +19,26 @@ from __future__ import annotations
 
 import ray
 
-from tidegraph.comm.collective import StoreHost
-
 __all__ = ["CoordinatorActor"]
 
 
-class _Coordinator(StoreHost):
-    def __init__(self, host: str | None = None, timeout_s: float = 60.0) -> None:
-        # the store listens on the address Ray knows this node by (comm/ does not import Ray)
-        super().__init__(host or ray.util.get_node_ip_address(), timeout_s)
+class _Coordinator:
+    def __init__(self) -> None:
+        self.store = None  # StoreHost, only where the driver cannot host it (`host_store`)
         self.steps = 0
         self.stop = False
         self.wanted: tuple[int, str] | None = None  # (trainers, who asked)
         self.moves: set[int] = set()  # partitions to move to new shard actors
         self.wanted_shards: tuple[int, str] | None = None  # (shard actors, who asked)
         self.status: dict = {}
+
+    def host_store(self, timeout_s: float = 60.0) -> tuple[str, int]:
+        """Host the trainers' store here (imports torch); its address."""
+        from tidegraph.comm.collective import StoreHost
+
+        if self.store is None:  # on the address Ray knows this node by
+            self.store = StoreHost(ray.util.get_node_ip_address(), timeout_s)
+        return self.store.address()
 
     def report(self, steps: int) -> bool:
         """Steps of the pass under way finished so far (0 starts a pass); whether the group

@@ -1,7 +1,7 @@
 """A torch.distributed group of trainers, rebuilt per membership generation.
 
-`StoreHost` holds the TCP store that trainers rendezvous through; it lives in a small
-coordinator process (not in rank 0, so losing a trainer never loses the store). `Collective`
+`StoreHost` holds the TCP store that trainers rendezvous through; it lives in the driver's
+process (not in rank 0, so losing a trainer never loses the store). `Collective`
 joins a group over that store under the prefix of a membership generation
 (`tidegraph/gen{g}/`), so a later membership (recovery, resize) builds a fresh group on the same
 store without stale keys. Every collective has an explicit timeout: a dead peer fails the call
@@ -47,10 +47,15 @@ class StoreHost:
             timeout=datetime.timedelta(seconds=timeout_s),
             master_listen_fd=self._socket.fileno(),
         )  # fmt: skip
+        self._socket.detach()  # the store owns the descriptor now and closes it
         log.info("trainer store on %s:%d", self.host, self.store.port)
 
     def address(self) -> tuple[str, int]:
         return self.host, int(self.store.port)
+
+    def close(self) -> None:
+        """Stop serving (the store closes its listening socket)."""
+        self.store = None
 
 
 class Collective:
@@ -248,6 +253,6 @@ def _set_timeout(group, timeout: datetime.timedelta) -> None:
 
 
 def _node_ip() -> str:
-    """This host's address by its name (a Ray actor passes the address Ray knows its node by:
-    `tidegraph.actors.coordinator`)."""
+    """This host's address by its name (a Ray driver passes the address Ray knows its node
+    by: `tidegraph.orchestrator.ray_group`)."""
     return socket.gethostbyname(socket.gethostname())

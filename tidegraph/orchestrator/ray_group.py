@@ -2,8 +2,8 @@
 
 Placement: shards in a SPREAD placement group (one bundle of `cluster.shard_cpus` each, on
 different nodes where there are several), trainers in a PACK group (one bundle of
-`cluster.trainer_cpus`, and a GPU on CUDA, each). The trainers rendezvous through the
-coordinator actor's store and sum gradients with an all-reduce inside the step; the driver
+`cluster.trainer_cpus`, and a GPU on CUDA, each). The trainers rendezvous through a
+store in the driver's process and sum gradients with an all-reduce inside the step; the driver
 only routes events, hands out slices and passes each step's node-state updates (object refs,
 never copied through the driver) to every trainer, or to every shard when shards hold node
 state. Per trainer and step: one request per shard per hop to sample, one per shard for
@@ -39,6 +39,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from tidegraph.actors import CoordinatorActor
 from tidegraph.actors.shard import PartHandle
+from tidegraph.comm.collective import StoreHost
 from tidegraph.orchestrator.passes import Passes
 from tidegraph.orchestrator.pipeline import PendingLoss, StepPipeline, group_failure
 from tidegraph.orchestrator.placement import (
@@ -174,6 +175,13 @@ class RayGroup(
         self.coordinator = CoordinatorActor.options(
             name="tidegraph-coordinator", scheduling_strategy=here, **opts
         ).remote()
+        # the trainers' store: in this process (on the driver's node, with its fate), or in
+        # the coordinator where this driver runs outside the cluster (Ray Client)
+        if ray.util.client.ray.is_connected():
+            self.store, self.store_address = None, ray.get(self.coordinator.host_store.remote())
+        else:
+            self.store = StoreHost(ray.util.get_node_ip_address())
+            self.store_address = self.store.address()
         self._shard_args = (edge_dim, cuda)
         self.shard_successors: dict[int, tuple] = {}  # p: (slot, actor, first answer)
         self._wanted_moves: set[int] = set()  # partitions an operator asked to move
@@ -390,6 +398,9 @@ class RayGroup(
             ray.kill(actor)
         if getattr(self, "coordinator", None) is not None:
             ray.kill(self.coordinator)
+        if getattr(self, "store", None) is not None:
+            self.store.close()
+            self.store = None
         groups = [
             getattr(self, "shard_pg", None),
             *(pg for pg, _ in getattr(self, "shard_slots", [])),

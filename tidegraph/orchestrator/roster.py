@@ -41,9 +41,9 @@ class TrainerRoster:
 
     def _connect(self) -> None:
         """Every trainer joins the group of a new membership generation (a fresh prefix of
-        the coordinator's store)."""
+        the group's store)."""
         self.generation += 1
-        address = ray.get(self.coordinator.address.remote())
+        address = self.store_address
         ray.get([t.connect.remote(address, self.generation, self.coordinator, self.progress_s)
                  for t in self.trainers])  # fmt: skip
         if self.update_log[1] or self.update_log[2]:  # rank 0 (maybe a new one) writes it
