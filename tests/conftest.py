@@ -34,19 +34,45 @@ def device(request) -> torch.device:
     return torch.device(request.param)
 
 
-@pytest.fixture(scope="session")
+_OURS: dict = {}  # the shared Ray's GCS address, while this process is connected to it
+
+
+@pytest.fixture(scope="module")
 def ray_session():
     """A local Ray on loopback, shared by the modules that ask for it (they run last, see
     `pytest_collection_modifyitems`): starting Ray costs seconds of CPU. Every Ray group a
-    test builds is shut down by that test, its actors and placement groups with it."""
+    test builds is shut down by that test; a module that leaves CPUs held (a failed test's
+    actors or placement groups) takes this Ray down with it, so the next module starts a
+    fresh one."""
+    import time
+
     import ray
 
-    ray.init(  # "local": a Ray of its own, never a cluster that happens to run here
-        address="local", _node_ip_address="127.0.0.1", num_cpus=8, include_dashboard=False,
-        namespace="tidegraph-tests", configure_logging=False,
-    )  # fmt: skip
+    ours = ray.is_initialized() and _OURS.get("gcs") == ray.get_runtime_context().gcs_address
+    if not ours:
+        if ray.is_initialized():  # a cluster or job of another test, left connected
+            ray.shutdown()
+        ray.init(  # "local": a Ray of its own, never a cluster that happens to run here
+            address="local", _node_ip_address="127.0.0.1", num_cpus=8, include_dashboard=False,
+            namespace="tidegraph-tests", configure_logging=False,
+        )  # fmt: skip
+        _OURS["gcs"] = ray.get_runtime_context().gcs_address
     yield
-    ray.shutdown()
+    for _ in range(100):  # bounded: placement groups are released asynchronously
+        if ray.available_resources().get("CPU") == ray.cluster_resources().get("CPU"):
+            break
+        time.sleep(0.05)
+    else:
+        _OURS.clear()
+        ray.shutdown()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _OURS:
+        import ray
+
+        _OURS.clear()
+        ray.shutdown()
 
 
 @pytest.fixture
