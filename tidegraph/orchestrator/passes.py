@@ -80,7 +80,10 @@ class Passes:
             refs = [getattr(t, method).remote(s, *args, *before)
                     for t, s in zip(self.trainers, per_trainer, strict=True)]  # fmt: skip
             before = []  # applied by every survivor; a replacement copies one
-            shifted = None if progress is None else (lambda n, d=done: progress(d + n))
+            # trainer 0 reports without waiting, so a report of the task before a recovery can
+            # reach the coordinator after this reset: never past the pass's last step
+            shifted = None if progress is None else (
+                lambda n, d=done: progress(min(d + n, len(batches))))  # fmt: skip
             try:
                 results += self._wait_pass(refs, shifted)[0]
             except ray.exceptions.RayError as exc:
