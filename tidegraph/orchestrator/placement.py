@@ -165,7 +165,7 @@ class Placement:
         placement group (`member`: a new one, whose group is in `member_slots`), with tables
         for `num_nodes` nodes (default: as many as ingested)."""
         c = self.config.cluster
-        raw, edge_dim, _ = self._trainer_args
+        raw, edge_dim = self._trainer_args
         member = self.members[w] if member is None else member
         where = PlacementGroupSchedulingStrategy(self.member_slots[member], 0)
         incarnation = self.incarnations[w] if w < len(self.incarnations) else 0

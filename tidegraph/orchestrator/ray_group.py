@@ -209,7 +209,7 @@ class RayGroup(
                           for i, slot in enumerate(self.replica_slots[p])]
                          for p in range(c.shards)]  # fmt: skip
         self.replica_successors: dict[int, list] = {}  # p: [(slot, actor, first answer)]
-        self._trainer_args = (raw, edge_dim, cuda)
+        self._trainer_args = (raw, edge_dim)
         self.num_nodes = num_nodes
         # trainer w is member `members[w]` (its actor's name) in placement group
         # `member_slots[members[w]]`; ranks are renumbered on a resize, members are not
