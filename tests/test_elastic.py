@@ -22,7 +22,7 @@ from tidegraph.training import RunConfig, load_stream
 sys.path.insert(0, str(Path(__file__).parent))
 import reference_run  # noqa: E402
 from numerics import float64_everywhere  # noqa: E402
-from recovery_run import assert_same_run, run  # noqa: E402
+from recovery_run import assert_same_run, reference, run  # noqa: E402
 from threads import Watched  # noqa: E402
 
 
@@ -55,8 +55,8 @@ def _float64():
 
 
 @pytest.fixture(scope="module")
-def fixed(ray_session, wiki):
-    return run(config(2), wiki)
+def fixed(wiki):
+    return reference(config(2), wiki)
 
 
 def assert_close_run(got: dict, want: dict) -> None:
@@ -113,15 +113,23 @@ def shrink_then_grow(learner) -> None:
 
 
 def test_an_operator_shrinks_and_grows_the_group_mid_run(
-    ray_session, wiki, fixed, quick_polls, members_first
+    ray_session, wiki, fixed, quick_polls, members_first, capsys
 ):
+    """The operator's command (`jobs.resize`) asks for 1 and then 2 trainers; before that it
+    reports the run's count and refuses a count out of the run's bounds."""
     told: list = []
+    codes: list = []
 
     def during(learner) -> None:  # the controller's hook sees each resize start and end
         learner.group.on_change = lambda kind, why: told.append((kind, why))
+        name = ["--run-name", learner.config.run_name]
+        codes.extend([resize.main([*name, "--trainers", "3"]), resize.main(name)])
         shrink_then_grow(learner)
 
     got = run(config({"min": 1, "max": 2}), wiki, during)
+    out, err = capsys.readouterr()
+    assert codes == [2, 0]
+    assert "allows 1 to 2 trainers" in err and '"trainers": 2' in out
     sizes = [(r["from"], r["to"]) for r in got["resizes"]]
     assert sizes == [(2, 1), (1, 2)], got["resizes"]
     assert [kind for kind, _ in told] == ["resizing", "settled"] * 2, told
@@ -150,66 +158,52 @@ def test_a_group_sending_buckets_in_backward_shrinks_and_grows(
     assert fixed["comm"] is None  # the fixed run sends plain fp32 (no GradSync)
 
 
-def test_a_spare_trainer_takes_a_lost_rank_without_a_process_start(
+def test_a_moved_shard_and_a_spare_taking_a_lost_rank_change_nothing(
     ray_session, wiki, fixed, quick_polls, members_first
 ):
-    """`cluster.spare_trainers: 1`: a trainer started ahead replaces one SIGKILLed mid-pass;
-    the group keeps its size, so the run ends bitwise where the fault-free run ends."""
+    """Two changes that keep the group's size, in one run, which ends bitwise as the fixed
+    run with every shard holding the log's events:
+    - an operator moves partition 1 to a new shard actor (`jobs.resize --move-shard`): the
+      successor starts while the group trains, copies the shard at a step boundary and takes
+      its requests;
+    - `cluster.spare_trainers: 1`: a trainer started ahead replaces one SIGKILLed mid-pass,
+      without a process start."""
 
     def during(learner) -> None:
         group = learner.group
+        steps = sum(u.kind == "train" for u in learner.schedule.units)
+        while learner.cursor.step < steps * 0.2:
+            time.sleep(0.005)
+        argv = ["--run-name", learner.config.run_name, "--move-shard", "1"]
+        assert resize.main(argv) == 0
+        for _ in range(24000):  # bounded: until the move is done
+            if group.shard_moves or learner.done:
+                break
+            time.sleep(0.005)
         pid = ray.get(group.trainers[1].pid.remote())
-        for _ in range(6000):  # bounded: until the spare is up and a pass is under way
+        base = ray.get(group.coordinator.progress.remote())
+        for _ in range(6000):  # bounded: until the spare is up and a later pass is under way
             spares = [j[2] for j in list(group.joiners.values())]
             up = spares and ray.wait(spares, num_returns=len(spares), timeout=0)[0]
-            if up and ray.get(group.coordinator.progress.remote()) >= 3:
+            progress = ray.get(group.coordinator.progress.remote())
+            if up and progress >= 3 and progress != base:
                 os.kill(pid, signal.SIGKILL)
                 return
             time.sleep(0.005)
 
     got = run(config(2, spare_trainers=1), wiki, during)
+    assert [m["part"] for m in got["shard_moves"]] == [1]
+    assert got["shard_moves"][0]["events"] > 0  # checked equal to the old shard's at the move
     (event,) = got["recoveries"]
     assert event["lost"] == [1] and event["spares_used"] == [1]
     assert got["resizes"] == []
     assert_same_run(got, fixed)
 
 
-def test_the_resize_command_refuses_an_unknown_run_and_a_count_out_of_bounds(
-    ray_session, wiki, capsys
-):
+def test_the_resize_command_refuses_an_unknown_run(ray_session, capsys):
+    """(A count out of bounds, and the report of a run's count: in the operator test.)"""
     assert resize.main(["--run-name", "no-such-run", "--trainers", "2"]) == 2
     assert "no run named 'no-such-run'" in capsys.readouterr().err
-    from tidegraph.training import ContinualLearner
-
-    learner = ContinualLearner(config({"min": 1, "max": 2}), wiki, make_group)
-    try:
-        assert resize.main(["--run-name", learner.config.run_name, "--trainers", "3"]) == 2
-        assert "allows 1 to 2 trainers" in capsys.readouterr().err
-        assert resize.main(["--run-name", learner.config.run_name]) == 0
-        assert '"trainers": 2' in capsys.readouterr().out
-    finally:
-        learner.group.shutdown()
-
-
-def test_a_shard_moved_mid_run_changes_nothing(
-    ray_session, wiki, fixed, quick_polls, members_first
-):
-    """An operator moves partition 1 to a new shard actor (`jobs.resize --move-shard`): the
-    successor starts while the group trains, copies the shard at a step boundary and takes
-    its requests; every shard holds the log's events and the run is bitwise the fixed one."""
-
-    def during(learner) -> None:
-        steps = sum(u.kind == "train" for u in learner.schedule.units)
-        while learner.cursor.step < steps * 0.2:
-            time.sleep(0.005)
-        argv = ["--run-name", learner.config.run_name, "--move-shard", "1"]
-        assert resize.main(argv) == 0
-
-    got = run(config(2), wiki, during)
-    assert [m["part"] for m in got["shard_moves"]] == [1]
-    assert got["shard_moves"][0]["events"] > 0  # checked equal to the old shard's at the move
-    assert got["resizes"] == [] and got["recoveries"] == []
-    assert_same_run(got, fixed)
 
 
 def test_rapid_resize_requests_leave_a_consistent_group(ray_session, wiki, fixed, quick_polls):
@@ -279,7 +273,7 @@ def test_batch_history_resized_mid_pass_keeps_every_slice_at_its_batch_start(
         cfg.sampler.history = "batch"
         return cfg
 
-    fixed = run(batch_history(2), wiki)
+    fixed = reference(batch_history(2), wiki)
     got = run(batch_history({"min": 1, "max": 2}), wiki, wants(1, 2))
     assert [(r["from"], r["to"]) for r in got["resizes"]] == [(2, 1), (1, 2)]
     assert_close_run(got, fixed)

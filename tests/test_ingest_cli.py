@@ -1,7 +1,6 @@
 """Data problems reach the job's user as one line `error: FILE: ... reason`, exit code 2, no
 traceback; the column map, header and feature flags reach the loaders."""
 
-import gzip
 import json
 import logging
 import os
@@ -15,6 +14,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from tidegraph.jobs.train import main, parse_config
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_ingest_misreads import truncated_gzip  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,35 +42,35 @@ def signed(path: Path, n: int = 600) -> Path:
     return path
 
 
-def truncated_gzip(path: Path) -> Path:
-    data = gzip.compress("".join(f"{i} {i + 1} {i}\n" for i in range(300_000)).encode())
-    path.write_bytes(data[: len(data) // 2])
+def corrupt_parquet(path: Path) -> Path:
+    path.write_bytes(b"PAR1" + b"\x00" * 64 + b"PAR1")
     return path
 
 
-def bad_files(tmp_path: Path) -> dict[str, tuple[Path, str]]:
-    corrupt = tmp_path / "corrupt.parquet"
-    corrupt.write_bytes(b"PAR1" + b"\x00" * 64 + b"PAR1")
-    nested = tmp_path / "nested.parquet"
-    table = pa.table({"src": [1, 2], "dst": [2, 3], "time": [{"s": 1}, {"s": 2}]})
-    pq.write_table(table, nested)
-    nan = tmp_path / "nan.csv"
-    nan.write_text("src,dst,time,w\n1,2,1,0.5\n2,3,2,nan\n")
-    return {
-        "truncated gzip": (truncated_gzip(tmp_path / "cut.txt.gz"), "cannot read the file"),
-        "corrupt parquet": (corrupt, "cannot read: "),
-        "nested parquet": (nested, "time column 'time' has type struct"),
-        "ambiguous layout": (signed(tmp_path / "signed.csv"), "4 columns and no header"),
-        "NaN feature": (nan, "line 3: NaN feature: nan in column 'w'"),
-    }
+def nested_parquet(path: Path) -> Path:
+    pq.write_table(pa.table({"src": [1, 2], "dst": [2, 3], "time": [{"s": 1}, {"s": 2}]}), path)
+    return path
 
 
-@pytest.mark.parametrize(
-    "case",
-    ["truncated gzip", "corrupt parquet", "nested parquet", "ambiguous layout", "NaN feature"],
-)
+def nan_feature(path: Path) -> Path:
+    path.write_text("src,dst,time,w\n1,2,1,0.5\n2,3,2,nan\n")
+    return path
+
+
+# each case: (how to write the bad file, its name, what the error line says)
+BAD_FILES = {
+    "truncated gzip": (truncated_gzip, "cut.txt.gz", "cannot read the file"),
+    "corrupt parquet": (corrupt_parquet, "corrupt.parquet", "cannot read: "),
+    "nested parquet": (nested_parquet, "nested.parquet", "time column 'time' has type struct"),
+    "ambiguous layout": (signed, "signed.csv", "4 columns and no header"),
+    "NaN feature": (nan_feature, "nan.csv", "line 3: NaN feature: nan in column 'w'"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_FILES))
 def test_data_errors_are_one_line_and_exit_code_2(tmp_path: Path, capsys, case: str) -> None:
-    path, reason = bad_files(tmp_path)[case]
+    write, name, reason = BAD_FILES[case]
+    path = write(tmp_path / name)
     extra = ["--features", "w"] if case == "NaN feature" else []
     code, err = run_job(tmp_path, capsys, "--dataset", str(path), *extra)
     assert code == 2

@@ -32,7 +32,7 @@ def write_events(path, events) -> None:
     tmp.rename(path)
 
 
-def test_files_arriving_in_a_followed_directory_become_increments(tmp_path, capsys):
+def test_files_arriving_in_a_followed_directory_become_increments(tmp_path, capsys, monkeypatch):
     events = load_stream("wikipedia", 3000).events
     inbox = tmp_path / "inbox"
     inbox.mkdir()
@@ -42,22 +42,33 @@ def test_files_arriving_in_a_followed_directory_become_increments(tmp_path, caps
     (inbox / "part-003.csv.part").write_text("garbage")  # never read (partial)
 
     def later():
-        time.sleep(2.0)
+        time.sleep(0.3)
         write_events(inbox / "part-002.csv", events.select(slice(2500, 3000)))
 
     writer = Watched(later)
-    writer.start()
+    asked = DirectorySource.next_events
+
+    asks = []
+
+    def next_events(self, timeout):  # the third file arrives while the run waits for it
+        asks.append(timeout)
+        if len(asks) == 3:
+            writer.start()
+        return asked(self, timeout)
+
+    monkeypatch.setattr(DirectorySource, "next_events", next_events)
+    monkeypatch.setattr(DirectorySource, "poll_interval", 0.1)
     threads = torch.get_num_threads()
-    DirectorySource.poll_interval = 0.1
     try:
-        args = ["--follow", str(inbox), "--follow-timeout", "6", "--epochs", "1",
+        args = ["--follow", str(inbox), "--follow-timeout", "2", "--epochs", "1",
                 "--backend", "local", "--shards", "2", "--trainers", "2", "--no-progress",
                 "--out", str(tmp_path / "run")]  # fmt: skip
         assert main(args) == 0
     finally:
-        writer.join(60)
+        if writer.ident is not None:  # started
+            writer.join(60)
         torch.set_num_threads(threads)
-        DirectorySource.poll_interval = 0.5
+    assert asks == [2.0] * 4  # phase 1, two increments, and the wait that found nothing
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["phase"] for r in rows] == ["phase1", "increment", "increment"]
     assert [r["events"] for r in rows[1:]] == [500, 500]

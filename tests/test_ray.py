@@ -49,11 +49,14 @@ def wiki():
     return load_stream("wikipedia", 1500)
 
 
+# slow: TGN by request with a task per step (its parts are in the default suite: sampling by
+# request and a task per step, bitwise, in the tgat case; TGN's replicated memory with a task
+# per step, bitwise, in test_recovery's pipelined run)
 @pytest.mark.parametrize(
     ("model", "memory", "in_place", "strategy"),
     [
         ("tgn", "replicated", True, "recent"),
-        ("tgn", "replicated", False, "recent"),
+        pytest.param("tgn", "replicated", False, "recent", marks=pytest.mark.slow),
         ("apan", "sharded", True, "recent"),
         ("tgat", "replicated", False, "uniform"),
     ],
