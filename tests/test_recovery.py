@@ -118,12 +118,11 @@ def test_a_trainer_sigkilled_from_outside_mid_pass_is_replaced(
     assert_same_run(got, fault_free)
 
 
-# the default suite replays every logged step (a restart without the log is
-# test_checkpoint_restart's); without it and every other step: slow
-@pytest.mark.parametrize(
-    "log_every",
-    [pytest.param(0, marks=pytest.mark.slow), 1, pytest.param(2, marks=pytest.mark.slow)],
-)
+# slow: the default suite restarts from the newest checkpoint and replays every logged step
+# after every trainer is SIGKILLed from outside (test_checkpoint_restart, bitwise, the plan
+# and the replayed count asserted); every trainer lost to the fault knob: NoReplicaLeft below
+@pytest.mark.slow
+@pytest.mark.parametrize("log_every", [0, 1, 2])
 def test_losing_every_trainer_restarts_the_group_from_the_last_checkpoint(
     ray_session, wiki, fault_free, tmp_path, log_every
 ):
