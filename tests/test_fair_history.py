@@ -165,11 +165,13 @@ def test_batch_history_learns_and_differs_from_event_history(wiki):
     assert runs["batch"]["val_ap"] != runs["event"]["val_ap"]
 
 
-# the default suite: a whole pass per task, and a task per step with the node state on the
-# shards (evaluation slices capped by the driver); one trainer, and a task per step with
+# the default suite: a task per step with the node state on the shards (evaluation slices
+# capped by the driver); a whole pass per task (in the default suite: test_backends' combined
+# tgn run, batch history bitwise on both backends), one trainer, and a task per step with
 # replicated node state: slow
 @pytest.mark.parametrize(("trainers", "cluster"), [
-    (2, {}), (2, {"memory": "sharded"}), pytest.param(1, {}, marks=pytest.mark.slow),
+    pytest.param(2, {}, marks=pytest.mark.slow), (2, {"memory": "sharded"}),
+    pytest.param(1, {}, marks=pytest.mark.slow),
     pytest.param(2, {"whole_passes": False}, marks=pytest.mark.slow),
 ])  # fmt: skip
 def test_batch_history_on_ray_equals_the_local_group(ray_session, wiki, trainers, cluster):

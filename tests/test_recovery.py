@@ -279,6 +279,7 @@ def orchestrated(cfg: RunConfig, wiki, tmp_path, name: str, due) -> tuple[dict, 
     return got, learner, orchestrator.restarts
 
 
+@pytest.mark.slow  # the default suite: the journal test below (snapshot, then the batches since)
 def test_a_lost_shard_restarts_from_its_checkpoint_snapshot(
     ray_session, wiki, fault_free, tmp_path
 ):
@@ -474,15 +475,16 @@ def test_a_lost_shard_owning_node_state_without_a_replica_replays_its_journal(
 ):
     """`cluster.memory: sharded` and no replica: a shard SIGKILLed in the second increment is
     rebuilt from its state in the newest checkpoint plus what changed the shards since, in
-    order (the batches ingested and every step's node-state updates, kept on the driver's
-    node), by the surviving shard actor; the run ends bitwise as the fault-free one, every
-    shard holding the log's events."""
+    order (only the batches ingested since the checkpoint, and every step's node-state
+    updates, kept on the driver's node), by the surviving shard actor; the run ends bitwise
+    as the fault-free one, every shard holding the log's events."""
     due = lambda learner: learner.cursor.increment >= 1 and learner.cursor.step >= 20  # noqa: E731
     got, learner, restarts = orchestrated(config(memory="sharded"), wiki, tmp_path, "journal",
                                           due)  # fmt: skip
     assert restarts == 0
     rebuilt = [e for e in learner.group.recoveries if "events" in e]
     assert [e["lost_shards"] for e in rebuilt] == [[1]] and rebuilt[0]["snapshot"]
+    assert 0 < rebuilt[0]["replayed_batches"] < len(learner.group.ingests)
     assert_same_run(got, sharded_fault_free)
 
 

@@ -96,7 +96,11 @@ class EventLog:
         got = table.num_rows
         if got != end - start:
             raise ValueError(f"EventLog.read: [{start}, {end}) has {got} events in the log")
-        col = lambda name: torch.from_numpy(np.ascontiguousarray(table.column(name).to_numpy()))  # noqa: E731
+        # a column of one chunk comes zero-copy and read-only (Arrow's memory): copied then,
+        # so that the tensors handed out own writable memory
+        col = lambda name: torch.from_numpy(  # noqa: E731
+            np.require(table.column(name).to_numpy(), requirements=["C", "W"])
+        )
         feats = [n for n in table.column_names if re.fullmatch(r"f\d+", n)]
         feat = None
         if feats:

@@ -27,6 +27,12 @@ FORMATS = ("auto", "jodie", "tgl", "snap", "csv", "parquet")
 SORT_MODES = (False, True, "window", "full")
 
 Column = str | int
+_ALIASES = {  # common names of a role's column, lower case
+    "src": ("src", "source", "u", "user", "user_id", "from", "sender", "node1"),
+    "dst": ("dst", "target", "i", "item", "item_id", "to", "receiver", "node2"),
+    "time": ("time", "ts", "t", "timestamp", "unixts", "date"),
+    "label": ("label", "state_label", "y"),
+}
 
 
 class LoaderError(ValueError):
@@ -224,3 +230,45 @@ def _positive(name: str, value: object, allow_zero: bool = False) -> None:
     if not ok or value < (0 if allow_zero else 1):
         bound = ">= 0" if allow_zero else ">= 1"
         raise ValueError(f"LoaderConfig.{name} must be an integer {bound}, got {value!r}")
+
+
+def check_width(width: int, feature_dim: int | None, path: Path, line: int | None) -> None:
+    if feature_dim is not None and width != feature_dim:
+        reason = f"feature width mismatch: {width} feature columns, expected {feature_dim}"
+        raise LoaderError(path, line, reason)
+
+
+def infer_columns(names: list[str], path: Path, header_line: int | None) -> ColumnMap:
+    """Columns found by common names (src/u/source, dst/i/target, ts/time, label)."""
+    lower = {n.strip().lower(): n for n in names}
+    found = {}
+    for role, aliases in _ALIASES.items():
+        found[role] = next((lower[a] for a in aliases if a in lower), None)
+    for role in ("src", "dst", "time"):
+        if found[role] is None:
+            reason = (
+                f"cannot find a {role} column among {names}; pass columns=ColumnMap(...) to name it"
+            )
+            raise LoaderError(path, header_line, reason, "line")
+    return ColumnMap(**found)
+
+
+def resolve_columns(
+    columns: ColumnMap, names: list[str], path: Path, header_line: int | None, unit: str
+) -> tuple[dict[str, str], list[str]]:
+    """File column names for each role and the feature columns; missing ones are an error."""
+    roles = {r: getattr(columns, r) for r in ("src", "dst", "time", "label")}
+    roles = {r: _name(c, names, path, header_line, unit) for r, c in roles.items() if c is not None}
+    features = [_name(c, names, path, header_line, unit) for c in columns.feature_columns()]
+    return roles, features
+
+
+def _name(column: str | int, names: list[str], path: Path, line: int | None, unit: str) -> str:
+    if isinstance(column, int):
+        if column >= len(names):
+            reason = f"missing column at position {column}: the file has {len(names)} columns"
+            raise LoaderError(path, line, reason, unit)
+        return names[column]
+    if column not in names:
+        raise LoaderError(path, line, f"missing column {column!r} (columns: {names})", unit)
+    return column

@@ -25,15 +25,19 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 
-from tidegraph.storage.ingest.config import ColumnMap, LoaderConfig, LoaderError
+from tidegraph.storage.ingest.config import (
+    ColumnMap,
+    LoaderConfig,
+    LoaderError,
+    check_width,
+    infer_columns,
+    resolve_columns,
+)
 from tidegraph.storage.ingest.parse import RawChunk, is_list
 from tidegraph.storage.ingest.text import (
     Peek,
-    check_width,
     detect_delimiter,
-    infer_columns,
     is_number,
-    resolve_columns,
     split_snap,
     text_source,
     with_features,

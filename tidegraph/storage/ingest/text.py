@@ -49,7 +49,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 
-from tidegraph.storage.ingest.config import ColumnMap, LoaderConfig, LoaderError
+from tidegraph.storage.ingest.config import (
+    ColumnMap,
+    LoaderConfig,
+    LoaderError,
+    check_width,
+    infer_columns,
+    resolve_columns,
+)
 from tidegraph.storage.ingest.parse import IdRules, RawChunk, Rejects, int64_text_fits, values_at
 
 _PEEK_BYTES = 1 << 16
@@ -59,12 +66,6 @@ _HEADERLESS_HINT = (
     "pass header=False (--no-header) to read a file without a header (columns by position)"
 )
 _LINE = "line"  # the one column of a SNAP file read whole lines at a time
-_ALIASES = {
-    "src": ("src", "source", "u", "user", "user_id", "from", "sender", "node1"),
-    "dst": ("dst", "target", "i", "item", "item_id", "to", "receiver", "node2"),
-    "time": ("time", "ts", "t", "timestamp", "unixts", "date"),
-    "label": ("label", "state_label", "y"),
-}
 
 
 class Peek:
@@ -559,45 +560,3 @@ def _block_size(peek: Peek, chunk_rows: int) -> int:
     """Bytes per pyarrow block: about `chunk_rows` rows up to 4 MiB (measured fastest), and
     never less than a few long lines."""
     return int(max(min(chunk_rows * peek.mean_len, 1 << 22), 16 * peek.max_len, 1 << 14))
-
-
-def check_width(width: int, feature_dim: int | None, path: Path, line: int | None) -> None:
-    if feature_dim is not None and width != feature_dim:
-        reason = f"feature width mismatch: {width} feature columns, expected {feature_dim}"
-        raise LoaderError(path, line, reason)
-
-
-def infer_columns(names: list[str], path: Path, header_line: int | None) -> ColumnMap:
-    """Columns found by common names (src/u/source, dst/i/target, ts/time, label)."""
-    lower = {n.strip().lower(): n for n in names}
-    found = {}
-    for role, aliases in _ALIASES.items():
-        found[role] = next((lower[a] for a in aliases if a in lower), None)
-    for role in ("src", "dst", "time"):
-        if found[role] is None:
-            reason = (
-                f"cannot find a {role} column among {names}; pass columns=ColumnMap(...) to name it"
-            )
-            raise LoaderError(path, header_line, reason, "line")
-    return ColumnMap(**found)
-
-
-def resolve_columns(
-    columns: ColumnMap, names: list[str], path: Path, header_line: int | None, unit: str
-) -> tuple[dict[str, str], list[str]]:
-    """File column names for each role and the feature columns; missing ones are an error."""
-    roles = {r: getattr(columns, r) for r in ("src", "dst", "time", "label")}
-    roles = {r: _name(c, names, path, header_line, unit) for r, c in roles.items() if c is not None}
-    features = [_name(c, names, path, header_line, unit) for c in columns.feature_columns()]
-    return roles, features
-
-
-def _name(column: str | int, names: list[str], path: Path, line: int | None, unit: str) -> str:
-    if isinstance(column, int):
-        if column >= len(names):
-            reason = f"missing column at position {column}: the file has {len(names)} columns"
-            raise LoaderError(path, line, reason, unit)
-        return names[column]
-    if column not in names:
-        raise LoaderError(path, line, f"missing column {column!r} (columns: {names})", unit)
-    return column
