@@ -79,6 +79,10 @@ def _mark(key: str, value) -> None:
     MARKS.setdefault(key, []).append(value)
 
 
+# the timed parts of a trainer recovery (after the probes)
+PARTS = ("replacement_up", "_refresh", "_connect")
+
+
 def _timed(cls, name: str, key: str):
     """Wrap `cls.name` to record (start, seconds) of each call in MARKS[key]."""
     original = getattr(cls, name)
@@ -118,6 +122,21 @@ def _instrument() -> None:
     _timed(RayGroup, "__init__", "group_start")
     for name in ("_wait_placed", "_start", "_new_trainer", "_refresh", "_connect"):
         _timed(RayGroup, name, name)
+    replacement = RayGroup._replacement
+
+    def timed_replacement(self, *args, **kwargs):
+        """A lost rank's replacement, timed until it is up: its slot placed, its process
+        started and its constructor run (or a spare taking the rank). The code waits for
+        the constructor later, in the replica copy; waiting here first moves that wait,
+        not its length, into this mark."""
+        t0 = time.perf_counter()
+        got = replacement(self, *args, **kwargs)
+        if got is not None:
+            ray.get(got[0].__ray_ready__.remote())
+        _mark("replacement_up", (t0, time.perf_counter() - t0))
+        return got
+
+    RayGroup._replacement = timed_replacement
     _timed(RayGroup, "shutdown", "group_shutdown")
     _timed(RunDir, "load_checkpoint", "checkpoint_read")
     _timed(RunDir, "save_checkpoint", "checkpoint_write")
@@ -274,10 +293,10 @@ def summarize(name: str, got: dict, base: dict, step_s: float) -> dict:
         )  # fmt: skip
         t_in = enter[0]
         first = lambda key: next(x[1] for x in marks[key] if x[0] >= t_in)  # noqa: E731
-        # replacement started (async), waited for by `_refresh` (its constructor), the new
-        # gloo group; the rest is the survivors' reports and the state copy
+        # the replacement up (slot, process, constructor), the others' tables refreshed, the
+        # new gloo group; the rest is the survivors' reports and the state copy
         parts = {k: first(k) if any(x[0] >= t_in for x in marks.get(k, [])) else 0.0
-                 for k in ("_new_trainer", "_refresh", "_connect")}  # fmt: skip
+                 for k in PARTS}  # fmt: skip
         row["spares_used"] = rec.get("spares_used", [])
         parts["reports_and_copy"] = row["resume_after_probe_s"] - sum(parts.values())
         row["recover_parts_s"] = parts
@@ -438,8 +457,7 @@ def scenario_node(args, stream) -> dict:
                 )  # fmt: skip
                 t_in = m["recover_enter"][0][0]
                 out["recover_parts_s"] = {
-                    k: next((x[1] for x in m.get(k, []) if x[0] >= t_in), None)
-                    for k in ("_new_trainer", "_refresh", "_connect")
+                    k: next((x[1] for x in m.get(k, []) if x[0] >= t_in), None) for k in PARTS
                 }  # fmt: skip
     finally:
         ray.shutdown()
