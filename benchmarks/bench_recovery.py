@@ -120,7 +120,7 @@ def _instrument() -> None:
     _timed(RayGroup, "_probe", "probe")
     _timed(RayGroup, "_probe_shards", "probe_shards")
     _timed(RayGroup, "__init__", "group_start")
-    for name in ("_wait_placed", "_start", "_new_trainer", "_refresh", "_connect"):
+    for name in ("_wait_placed", "_start", "_refresh", "_connect"):
         _timed(RayGroup, name, name)
     replacement = RayGroup._replacement
 

@@ -46,9 +46,7 @@ def test_files_arriving_in_a_followed_directory_become_increments(tmp_path, caps
         write_events(inbox / "part-002.csv", events.select(slice(2500, 3000)))
 
     writer = Watched(later)
-    asked = DirectorySource.next_events
-
-    asks = []
+    asked, asks = DirectorySource.next_events, []
 
     def next_events(self, timeout):  # the third file arrives while the run waits for it
         asks.append(timeout)

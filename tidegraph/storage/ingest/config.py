@@ -5,6 +5,8 @@ its header name or by its 0-based position (positions are the only way for files
 header). `LoaderConfig` holds every option of `open_events`; it is validated on construction and
 each message names the field to fix. `parse_columns` / `parse_features` read the
 command-line spellings (`src=0,dst=1,time=3`, `4-9,rating`) and their YAML forms.
+`infer_columns`, `resolve_columns` and `check_width` map a `ColumnMap` onto a file's column
+names, for the text and the Parquet sources alike.
 """
 
 from __future__ import annotations
