@@ -4,11 +4,12 @@ random streams, as the newest checkpoint (written at the end of a run) holds the
 
 from __future__ import annotations
 
-import io
 import json
 from pathlib import Path
 
 import torch
+
+from tidegraph.storage.checkpoint import CheckpointStore
 
 __all__ = ["RAY_ONLY", "assert_same_state", "final_state", "records"]
 
@@ -25,9 +26,7 @@ def records(run: Path) -> list[dict]:
 
 def final_state(run: Path, tag: str | None = None) -> dict:
     """The learner's state in the run's checkpoint `tag` (default: its newest)."""
-    tag = tag or (run / "checkpoints" / "latest").read_text().strip()
-    data = (run / "checkpoints" / f"{tag}.pt").read_bytes()
-    return torch.load(io.BytesIO(data), weights_only=False)["learner"]
+    return CheckpointStore.at(str(run / "checkpoints")).load(tag)["learner"]
 
 
 def assert_same_state(got: dict, want: dict, ignore: tuple = ()) -> None:

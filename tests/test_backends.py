@@ -48,7 +48,9 @@ from tidegraph.config_check import explicit_fields
 from tidegraph.jobs.train import _config, _parser, main
 from tidegraph.orchestrator import Orchestrator, RunState
 from tidegraph.orchestrator.rundir import RunDir
+from tidegraph.recovery.updatelog import logged_steps
 from tidegraph.runtime import set_determinism
+from tidegraph.storage.checkpoint import CheckpointStore
 from tidegraph.storage.live import DirectorySource, GrowingFileSource
 from tidegraph.training import RunConfig, load_stream
 
@@ -386,7 +388,11 @@ def _recovered(group, path) -> dict:
 
 
 def _update_log(group, path) -> dict:
-    assert any((path / "updates").iterdir())
+    """Steps are logged; those before the oldest kept checkpoint were dropped with it."""
+    store = CheckpointStore.at(str(path / "checkpoints"))
+    oldest = store.meta(store.tags()[0])["step"]
+    steps = logged_steps(path / "updates")
+    assert steps and min(steps) >= oldest > 0, (steps, oldest)
     return {}
 
 
@@ -434,10 +440,16 @@ def _overlapped_exact(group, path) -> dict:
 
 
 def _checkpoints(group, path) -> dict:
-    """checkpoint_every 2: after phase 1, every second increment and the last."""
+    """checkpoint_every 2, keep_checkpoints 2: written after phase 1, every second increment
+    and the last; the newest two are kept, and each loads."""
     n = sum(r["phase"] == "increment" for r in records(path))
-    tags = {"phase1", *(f"increment-{k:05d}" for k in [*range(2, n + 1, 2), n])}
-    assert {p.stem for p in (path / "checkpoints").glob("*.pt")} == tags
+    ends = dict.fromkeys([*range(2, n + 1, 2), n])
+    written = ["phase1", *(f"increment-{k:05d}" for k in ends)]
+    store = CheckpointStore.at(str(path / "checkpoints"))
+    assert store.tags() == written[-2:] and store.latest() == written[-1]
+    assert sorted(p.stem for p in (path / "checkpoints").glob("*.pt")) == sorted(written[-2:])
+    for tag in written[-2:]:
+        assert store.load(tag)["learner"]["orchestrator"]["cursor"]["phase1_done"]
     return {}
 
 
@@ -724,7 +736,12 @@ CASES = [
     Case("seed", {"seed": 3}),
     Case("device", {"device": "cpu"}, "same"),
     Case("graph_device", {"graph_device": "cpu"}, "same"),
-    Case("checkpoint_every", {"checkpoint_every": 2}, "same", check=on_both(_checkpoints)),
+    Case(
+        "checkpoint_every",
+        {"checkpoint_every": 2, "keep_checkpoints": 2},
+        "same",
+        check=on_both(_checkpoints),
+    ),
     Case("progress", {"progress": True}, "same"),
     Case("threads", {"threads": 2}, None),
     Case("deterministic", {"deterministic": False}, None),
@@ -814,7 +831,8 @@ COMBINED = [
                  "min_bucket_bytes": 0, "chunk_size": 64, "bucketing": "cost_model",
                  "link_latency_s": 1e-4, "link_bandwidth_gbps": 1.0, "latency_fraction": 0.2,
                  "pipeline_stages": 2, "overlap": True},
-        "seed": 11, "checkpoint_every": 2, "device": "cpu", "graph_device": "cpu",
+        "seed": 11, "checkpoint_every": 2, "keep_checkpoints": 2, "device": "cpu",
+        "graph_device": "cpu",
         "deterministic": True, "threads": 1, "progress": True,
     }, None, check=all_of(on_ray(_replicas), on_ray(_bundles(0.5, 0.25)), on_ray(_recovered),
                           on_ray(_update_log), on_ray(_overlapped), on_both(_checkpoints))),
@@ -866,7 +884,8 @@ JOB_ARGS = [
     "--columns", "src=src,dst=dst,time=time,label=label", "--header", "--features", "a,b,c",
     "--string-ids", "--quarantine", "@quarantine", "--max-events", "900", "--increments", "2",
     "--replay", "importance", "--epochs", "1", "--seed", "3", "--threads", "1",
-    "--device", "cpu", "--checkpoint-every", "2", "--debug", "--memory", "sharded",
+    "--device", "cpu", "--checkpoint-every", "2", "--keep-checkpoints", "1", "--debug",
+    "--memory", "sharded",
     "--partitioner", "ldg", "--shards", "2", "--trainers", "2", "--metrics-port", "0",
     "--no-progress",
 ]  # fmt: skip
@@ -903,8 +922,7 @@ def job(args: list[str], backend: str) -> int:
 def job_outcome(path: Path) -> dict:
     """What a job left in its run directory: its records and summary without wall times, and
     the final checkpoint's group (every shard and trainer) and position."""
-    tag = (path / "checkpoints" / "latest").read_text().strip()
-    saved = torch.load(path / "checkpoints" / f"{tag}.pt", weights_only=False)["learner"]
+    saved = CheckpointStore.at(str(path / "checkpoints")).load()["learner"]
     return {"records": records(path), "summary": untimed(json.loads((path / "summary.json")
                                                                     .read_text())),
             "group": group_state(saved["group"]),
@@ -943,6 +961,9 @@ def test_job_flags_give_the_same_run_on_both_backends(ray_session, files, tmp_pa
         assert "metrics: http://127.0.0.1:" in capsys.readouterr().out
         assert len(quarantine.read_text().splitlines()) == 4  # a header, the three bad rows
         outs[backend] = job_outcome(tmp_path / name)
+        # after phase 1 and increment 2 (--checkpoint-every 2); --keep-checkpoints 1
+        assert CheckpointStore.at(str(tmp_path / name / "checkpoints")).tags() == [
+            "increment-00002"]  # fmt: skip
         summary = outs[backend]["summary"]
         assert summary["memory_placement"] == "sharded" and summary["model"] == "apan"
         assert summary["partition"]["shard_events"] != [0, 0]
@@ -1099,7 +1120,7 @@ SLOW_JOBS = {
     "memory": ["--memory", "sharded"],
     "partitioner": ["--partitioner", "ldg"],
     "min:max": ["--trainers", "1:2", "--shards", "1:2"],
-    "checkpoint-every": ["--checkpoint-every", "2"],
+    "checkpoint-every": ["--checkpoint-every", "2", "--keep-checkpoints", "2"],
     "metrics-port": ["--metrics-port", "0"],
     "device": ["--device", "cpu"],
     "debug": ["--debug"],

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from tidegraph.recovery.updatelog import UpdateLog, logged_steps, read_step
+from tidegraph.recovery.updatelog import UpdateLog, drop_steps_before, logged_steps, read_step
 
 
 def _same(a, b) -> bool:
@@ -66,3 +66,6 @@ def test_records_of_the_earlier_torch_save_format_are_read(tmp_path):
     assert logged_steps(tmp_path) == [3, 4]
     assert _same(read_step(tmp_path, 3), old)
     assert _same(read_step(tmp_path, 4)["updates"], [None])
+    # steps before a kept checkpoint's are dropped, whatever their format
+    assert drop_steps_before(tmp_path, 4) == 1 and logged_steps(tmp_path) == [4]
+    assert drop_steps_before(tmp_path / "none", 4) == 0

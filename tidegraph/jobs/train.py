@@ -74,6 +74,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--storage", help="where run directories live: a path or s3://, gs:// URI")
     p.add_argument("--resume", action="store_true", help="continue the run named --run-name")
     p.add_argument("--checkpoint-every", type=int, help="increments between checkpoints")
+    p.add_argument("--keep-checkpoints", type=int, metavar="N",
+                   help="keep the newest N checkpoints (default 3)")  # fmt: skip
     p.add_argument(
         "--follow",
         help="a live source: a directory receiving event files (its first file is phase 1, "
@@ -177,6 +179,7 @@ def _config(args: argparse.Namespace) -> RunConfig:
         ("run_name", "run_name"),
         ("storage", "storage"),
         ("checkpoint_every", "checkpoint_every"),
+        ("keep_checkpoints", "keep_checkpoints"),
     ):
         if getattr(args, flag) is not None:
             raw[key] = getattr(args, flag)

@@ -17,7 +17,8 @@ Every change of state is logged ("controller: running -> recovering (why)"), kep
 `transitions` and, with metrics, shown as the Prometheus state set `tidegraph_controller_state`.
 With a `RunDir`, ingested events go to its durable event log first, a checkpoint (every piece of
 state, with the log offset) is written after phase 1, every `checkpoint_every` increments and
-at the end, and `resume` restores the newest one before RUNNING.
+at the end (the newest `keep_checkpoints` are kept), and `resume` restores the newest one
+before RUNNING.
 A followed run (a live `source`, `tidegraph.storage.live`) also checkpoints the source's
 position and the stream's layout (its name, phase 1's end, each increment's bounds). At every
 checkpoint all the source has handed out is ingested, so resuming rebuilds the stream from the
@@ -40,7 +41,7 @@ from collections.abc import Callable
 
 from tidegraph.orchestrator.backend import make_group
 from tidegraph.recovery.policy import NoReplicaLeft
-from tidegraph.recovery.updatelog import logged_steps
+from tidegraph.recovery.updatelog import drop_steps_before, logged_steps
 from tidegraph.storage.events import EventBatch
 from tidegraph.training.continual import ContinualLearner
 from tidegraph.training.data import Stream, stream_of
@@ -281,7 +282,12 @@ class Orchestrator:
         if self.source is not None:  # the stream's layout, to rebuild it from the event log
             state["live"] = {"name": learner.stream.name, "phase1_end": learner.phase1_end,
                              "increments": [tuple(b) for b in learner.bounds]}  # fmt: skip
-        self.run_dir.save_checkpoint(state, tag)
+        step = learner.cursor.step
+        self.run_dir.save_checkpoint(state, tag, self.config.keep_checkpoints, {"step": step})
+        if self.run_dir.local:  # the update log's steps before every kept checkpoint go
+            store = self.run_dir.checkpoints
+            oldest = min(store.meta(t).get("step", 0) for t in store.tags())
+            drop_steps_before(f"{self.run_dir.path}/updates", oldest)
 
     def _load_checkpoint(self) -> dict | None:
         """The newest checkpoint of the run being resumed (None: it has none yet); a followed

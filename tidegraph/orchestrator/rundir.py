@@ -1,11 +1,13 @@
 """A run's directory under a storage URI: config, checkpoints and the event log.
 
-`{storage}/{run_name}/` holds `config.yaml`, `checkpoints/` (one file per checkpoint, and
-`latest` naming the newest), `events/` (the durable event log), and, for local storage, the
+`{storage}/{run_name}/` holds `config.yaml`, `checkpoints/` (a manifest per checkpoint over
+chunks written once, the newest `keep_checkpoints` kept, `latest` naming the newest:
+`tidegraph.storage.checkpoint`), `events/` (the durable event log), and, for local storage, the
 run's `metrics.jsonl` and `summary.json`. Every file is written to a temporary name and moved
 into place, so a crash leaves the previous checkpoint intact. A fresh run refuses a directory
-that already holds a run (nothing is ever erased); `resume` continues from the newest
-checkpoint. Unwritable storage is found when the directory is opened, before any training.
+that already holds a run (a run's files are erased only by checkpoint retention); `resume`
+continues from the newest checkpoint. Unwritable storage is found when the directory is
+opened, before any training.
 
 A run's result depends on its configuration except for the `NEUTRAL` fields (where it writes,
 progress bars, threads, checkpoint cadence, the cluster's shape: the same results up to float
@@ -17,13 +19,12 @@ run's (checkpoints without one, if any, load unchecked).
 
 from __future__ import annotations
 
-import io
 import logging
 
 import pyarrow.fs as pafs
-import torch
 import yaml
 
+from tidegraph.storage.checkpoint import CheckpointStore, read_file, write_file
 from tidegraph.storage.eventlog import EventLog, open_fs
 
 __all__ = ["NEUTRAL", "RunDir", "check_resume_config", "config_diff"]
@@ -47,6 +48,7 @@ class RunDir:
         if resume and not has_run:
             raise ValueError(f"--resume: {self.path} holds no run to resume")
         self.local = isinstance(self.fs, pafs.LocalFileSystem)
+        self.checkpoints = CheckpointStore(self.fs, f"{self.path}/checkpoints")
         self.config: dict | None = None  # the run's configuration (checkpoints must match it)
 
     def _check_writable(self) -> None:
@@ -64,16 +66,10 @@ class RunDir:
         return info.type != pafs.FileType.NotFound
 
     def _write(self, name: str, data: bytes) -> None:
-        final = f"{self.path}/{name}"
-        self.fs.create_dir(final.rsplit("/", 1)[0], recursive=True)
-        tmp = f"{final}.tmp"
-        with self.fs.open_output_stream(tmp) as out:
-            out.write(data)
-        self.fs.move(tmp, final)
+        write_file(self.fs, f"{self.path}/{name}", data)
 
     def _read(self, name: str) -> bytes:
-        with self.fs.open_input_stream(f"{self.path}/{name}") as f:
-            return f.read()
+        return read_file(self.fs, f"{self.path}/{name}")
 
     # ---- contents ---------------------------------------------------------------------------
 
@@ -88,23 +84,21 @@ class RunDir:
         self.config = yaml.safe_load(self._read("config.yaml"))
         return self.config
 
-    def save_checkpoint(self, state: dict, tag: str) -> None:
-        buffer = io.BytesIO()
-        torch.save(state, buffer)
-        self._write(f"checkpoints/{tag}.pt", buffer.getvalue())
-        self._write("checkpoints/latest", tag.encode())
+    def save_checkpoint(
+        self, state: dict, tag: str, keep: int | None = None, meta: dict | None = None
+    ) -> None:
+        """Checkpoint `tag`, the newest; only the newest `keep` are kept (None: all)."""
+        self.checkpoints.save(state, tag, keep, meta)
         log.info("checkpoint %s written to %s/checkpoints", tag, self.path)
 
     def latest_name(self) -> str | None:
-        if not self._exists("checkpoints/latest"):
-            return None
-        return self._read("checkpoints/latest").decode().strip()
+        return self.checkpoints.latest()
 
     def load_checkpoint(self, config: dict | None = None) -> dict:
         """The newest checkpoint; refused (ValueError naming the fields) when the configuration
         that wrote it differs from `config` (default: the run's) in a field that matters."""
         tag = self.latest_name()
-        state = torch.load(io.BytesIO(self._read(f"checkpoints/{tag}.pt")), weights_only=False)
+        state = self.checkpoints.load(tag)
         if config is None and self.config is None and self._exists("config.yaml"):
             self.load_config()
         config = config if config is not None else self.config
@@ -125,8 +119,8 @@ class RunDir:
 
 # fields (or whole sections) that do not change a run's result
 NEUTRAL = (
-    "run_name", "out_dir", "storage", "progress", "threads", "checkpoint_every", "cluster",
-    "data.quarantine",
+    "run_name", "out_dir", "storage", "progress", "threads", "checkpoint_every",
+    "keep_checkpoints", "cluster", "data.quarantine",
 )  # fmt: skip
 
 

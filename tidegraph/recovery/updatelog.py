@@ -16,6 +16,9 @@ the training thread's Python between kernels. At most `QUEUED` records wait for 
 (`step-NNNNNNNNN.pt`, `torch.save`) are still read, so a run directory written before can
 resume.
 
+Records of steps before the oldest kept checkpoint are deleted when a checkpoint is written
+(`drop_steps_before`), so the log holds at most the steps since that checkpoint.
+
 When no replica is left (every trainer lost) the run restarts from its newest checkpoint and
 the steps since it are replayed from the log: the optimizer steps with the logged gradient and
 the logged node-state updates are applied, with no sampling, feature fetch, forward, backward
@@ -60,6 +63,18 @@ def logged_steps(directory: str | Path, since: int = 0) -> list[int]:
         return []
     found = (_NAME.fullmatch(name) for name in os.listdir(directory))
     return sorted({s for m in found if m and (s := int(m.group(1))) >= since})
+
+
+def drop_steps_before(directory: str | Path, step: int) -> int:
+    """Delete the records of steps before `step` (no kept checkpoint needs them); returns how
+    many were deleted."""
+    if not Path(directory).is_dir():
+        return 0
+    found = (_NAME.fullmatch(name) for name in os.listdir(directory))
+    old = [m.group(0) for m in found if m and int(m.group(1)) < step]
+    for name in old:
+        Path(directory, name).unlink(missing_ok=True)
+    return len(old)
 
 
 def read_step(directory: str | Path, step: int) -> dict:

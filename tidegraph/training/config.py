@@ -375,6 +375,7 @@ class RunConfig:
     run_name: str | None = None  # the run's directory under `storage` and its Ray namespace
     storage: str = "runs"  # a local path or a URI pyarrow.fs opens (s3://, gs://)
     checkpoint_every: int = 1  # increments between checkpoints (and one after phase 1, at end)
+    keep_checkpoints: int = 3  # the newest checkpoints kept (older ones and what only they use go)
     progress: bool = True
     # torch CPU threads, set by the job entry point; 1 is fastest on small CPU boxes (these
     # batches are small, and threads thrash when other processes compete); None: torch's default
@@ -390,6 +391,8 @@ class RunConfig:
             raise ValueError(f"offline_split must be (train, val) with train + val < 1, got {a, b}")
         if self.checkpoint_every < 1:
             raise ValueError(f"checkpoint_every must be >= 1, got {self.checkpoint_every}")
+        if self.keep_checkpoints < 1:
+            raise ValueError(f"keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1 or None, got {self.threads}")
         if not _DEVICE.fullmatch(self.device):

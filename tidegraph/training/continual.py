@@ -184,9 +184,8 @@ class ContinualLearner:
     # ---- units ------------------------------------------------------------------------------
 
     def _run_until(self, kind: str) -> dict:
-        units = self.schedule.units
         while True:
-            unit = units[self.cursor.unit]
+            unit = self.schedule.unit(self.cursor.unit)
             if unit.kind in ("train", "eval") and unit.part == 0 and self._whole_passes():
                 self._run_pass(unit)
                 continue
@@ -203,9 +202,8 @@ class ContinualLearner:
         """The units of one training or evaluation pass, as one call to the group: inputs
         (events, replay, negatives) drawn in the order the units would draw them, results
         recorded as they would record them."""
-        units = self.schedule.units
         at = self.cursor.unit
-        todo = units[at : at + first.parts]
+        todo = [self.schedule.unit(i) for i in range(at, at + first.parts)]
         ps = self.pass_state
         bars = self.config.progress
         progress = steps_shown(lambda i: pass_bar(ps, todo[i], len(batches[i][0]), bars))
@@ -242,7 +240,7 @@ class ContinualLearner:
 
     def run_unit(self, u: Unit) -> dict | None:
         """Execute unit `u` (the cursor's next one) and advance the cursor past it."""
-        if u != self.schedule.units[self.cursor.unit]:
+        if u != self.schedule.unit(self.cursor.unit):
             raise RuntimeError(f"run_unit: {u} is not the cursor's next unit")
         out = getattr(self, f"_unit_{u.kind}")(u, self.pass_state)
         self.cursor.unit += 1

@@ -12,15 +12,17 @@ way, and a checkpoint needs only the cursor (`Cursor`) to resume at a step bound
 Randomness (negatives, replay choice) is drawn per step by the orchestrator from named seed
 streams, never per slice, so it does not depend on W.
 
-`Schedule(...).units` lists the whole run as units of work in order; `Cursor.unit` is the index
-of the next one. A unit is an ingest, a training step (one global batch), an evaluation batch,
-or a pass boundary (reset or restore node state, draw an epoch's replay, close a pass, close
-phase 1 or an increment). Every state change of a run happens at a unit boundary, and a
-checkpoint is the pieces' states at one.
+`Schedule(...).unit(i)` is the run's i-th unit of work; `Cursor.unit` is the index of the next
+one. Units are derived from the bounds of phase 1 and each increment, never listed, so a
+schedule's state grows with the increments, not with the steps. A unit is an ingest, a
+training step (one global batch), an evaluation batch, or a pass boundary (reset or restore
+node state, draw an epoch's replay, close a pass, close phase 1 or an increment). Every state
+change of a run happens at a unit boundary, and a checkpoint is the pieces' states at one.
 """
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import asdict, dataclass
 
 import torch
@@ -46,7 +48,7 @@ class Cursor:
     phase1_done: bool = False
     increment: int = 0
     step: int = 0
-    unit: int = 0  # index of the next unit of `Schedule.units`
+    unit: int = 0  # index of the next unit (`Schedule.unit`)
 
     def state_dict(self) -> dict:
         return asdict(self)
@@ -72,7 +74,10 @@ class Unit:
 
 
 class Schedule:
-    """The run as a list of units, a pure function of the stream's times and the config."""
+    """The run as units, a pure function of the stream's times and the config, derived on
+    demand: `unit(i)` computes the i-th unit from the bounds of phase 1 or the increment it
+    falls in and that block's training batch, so the state is O(increments) however long the
+    run (`units` lists them all, for tests and tools)."""
 
     def __init__(
         self, t: torch.Tensor, continual, batch_size: int, epochs: int, live: bool = False
@@ -82,65 +87,140 @@ class Schedule:
         if live:
             end = t.shape[0]
             self.val_start, self.phase1_end = end - int(end * continual.val_fraction), end
-            self.increments = []
+            increments = []
         else:
             self.val_start, self.phase1_end = phase1_bounds(t.shape[0], continual)
-            self.increments = increment_bounds(t, self.phase1_end, continual)
+            increments = increment_bounds(t, self.phase1_end, continual)
         self.retrain_epochs = continual.retrain_epochs
+        self.epochs = epochs
         self.batch_size = batch_size
-        self.train_batch = batch_size  # of training passes (`rebatch` changes it)
-        self.units: list[Unit] = []
-        self._step = 0
-        self._phase1(epochs)
-        for k, (lo, hi) in enumerate(self.increments):
-            self._increment(k, lo, hi, continual.retrain_epochs)
+        self.train_batch = batch_size  # of the next increment's training passes (`rebatch`)
+        self.increments: list[tuple[int, int]] = []
+        # per block (phase 1, then each increment): its first unit, first training step and
+        # training batch
+        self._first: list[int] = []
+        self._steps: list[int] = []
+        self._batch: list[int] = []
+        self._append_block(batch_size)
+        for lo, hi in increments:
+            self.add_increment(lo, hi)
+
+    def __len__(self) -> int:
+        return self._first[-1] + self._size(len(self._first) - 1)
+
+    @property
+    def units(self) -> list[Unit]:
+        """Every unit of the run so far, in order (O(run): for tests and tools)."""
+        return [self.unit(i) for i in range(len(self))]
+
+    @property
+    def num_steps(self) -> int:
+        """Global training steps of the run so far."""
+        last = len(self._first) - 1
+        return self._steps[last] + self._block_steps(last)
 
     def add_increment(self, lo: int, hi: int) -> None:
         """Events [lo, hi) arrived: one more increment at the end of the run."""
-        k = len(self.increments)
         self.increments.append((lo, hi))
-        self._increment(k, lo, hi, self.retrain_epochs)
+        self._append_block(self.train_batch)
 
     def rebatch(self, at: int, train_batch: int) -> None:
-        """Training passes of the increments after unit `at` (the unit after an increment's
-        end, or phase 1's) use global batches of `train_batch` events: their units are made
-        again (evaluation keeps its batches)."""
-        done = self.units[at - 1].increment if at > 0 else -1
-        if at == 0 or self.units[at - 1].kind not in ("increment_end", "phase_end"):
+        """Training passes of the increments from unit `at` on (the unit after an increment's
+        end, or phase 1's) use global batches of `train_batch` events (evaluation keeps its
+        batches)."""
+        if at == 0 or at > len(self) or self.unit(at - 1).kind not in ("increment_end",
+                                                                         "phase_end"):  # fmt: skip
             raise ValueError(f"Schedule.rebatch: unit {at} does not follow an increment's end")
-        del self.units[at:]
-        self._step = sum(u.kind == "train" for u in self.units)
         self.train_batch = train_batch
-        for k in range(done + 1, len(self.increments)):
-            self._increment(k, *self.increments[k], self.retrain_epochs)
+        first = bisect.bisect_left(self._first, at)  # the block starting at `at`, if any
+        for b in range(first, len(self._first)):
+            self._batch[b] = train_batch
+            self._first[b] = self._first[b - 1] + self._size(b - 1)
+            self._steps[b] = self._steps[b - 1] + self._block_steps(b - 1)
 
-    def _pass(self, kind: str, lo: int, hi: int, increment: int, epoch: int) -> None:
-        batches = batch_bounds(lo, hi, self.train_batch if kind == "train" else self.batch_size)
-        for j, (a, b) in enumerate(batches):
-            step = -1
-            if kind == "train":
-                step, self._step = self._step, self._step + 1
-            self.units.append(Unit(kind, increment, epoch, a, b, step, j, len(batches)))
-        self.units.append(Unit(f"{kind}_end", increment, epoch, lo, hi))
+    def unit(self, i: int) -> Unit:
+        """The i-th unit of the run."""
+        if not 0 <= i < len(self):
+            raise IndexError(f"Schedule.unit: {i} is outside the run's {len(self)} units")
+        b = bisect.bisect_right(self._first, i) - 1
+        r, step = i - self._first[b], self._steps[b]
+        if b == 0:
+            return self._phase1_unit(r, step)
+        return self._increment_unit(b - 1, r, step)
 
-    def _phase1(self, epochs: int) -> None:
-        self.units.append(Unit("ingest", -1, -1, 0, self.phase1_end))
-        for e in range(epochs):
-            self.units.append(Unit("reset", -1, e))
-            self._pass("train", 0, self.val_start, -1, e)
-            self._pass("eval", self.val_start, self.phase1_end, -1, e)
-        self.units.append(Unit("phase_end", -1, -1, 0, self.phase1_end))
+    # ---- blocks -------------------------------------------------------------------------------
 
-    def _increment(self, k: int, lo: int, hi: int, retrain_epochs: int) -> None:
-        self.units.append(Unit("ingest", k, -1, lo, hi))
-        self.units.append(Unit("snapshot", k, -1, lo, hi))
-        self._pass("eval", lo, hi, k, -1)
-        self.units.append(Unit("retrain_begin", k, -1, lo, hi))
-        for e in range(retrain_epochs):
-            self.units.append(Unit("restore", k, e, lo, hi))
-            self.units.append(Unit("replay", k, e, lo, hi))
-            self._pass("train", lo, hi, k, e)
-        self.units.append(Unit("increment_end", k, -1, lo, hi))
+    def _append_block(self, train_batch: int) -> None:
+        b = len(self._first)
+        self._batch.append(train_batch)
+        self._first.append(0 if b == 0 else self._first[b - 1] + self._size(b - 1))
+        self._steps.append(0 if b == 0 else self._steps[b - 1] + self._block_steps(b - 1))
+
+    def _bounds(self, b: int) -> tuple[int, int, int, int]:
+        """(training lo, hi, evaluation lo, hi) of block b."""
+        if b == 0:
+            return 0, self.val_start, self.val_start, self.phase1_end
+        lo, hi = self.increments[b - 1]
+        return lo, hi, lo, hi
+
+    def _parts(self, b: int) -> tuple[int, int]:
+        """(training batches, evaluation batches) of one pass of block b."""
+        tlo, thi, elo, ehi = self._bounds(b)
+        return -(-(thi - tlo) // self._batch[b]), -(-(ehi - elo) // self.batch_size)
+
+    def _size(self, b: int) -> int:
+        nt, ne = self._parts(b)
+        if b == 0:  # ingest, per epoch (reset, train pass, eval pass), phase_end
+            return 2 + self.epochs * (3 + nt + ne)
+        # ingest, snapshot, eval pass, retrain_begin, per epoch (restore, replay, train
+        # pass), increment_end
+        return 5 + ne + self.retrain_epochs * (3 + nt)
+
+    def _block_steps(self, b: int) -> int:
+        return (self.epochs if b == 0 else self.retrain_epochs) * self._parts(b)[0]
+
+    def _batch_unit(self, kind, k, e, lo, hi, size, j, n, step=-1) -> Unit:
+        return Unit(kind, k, e, lo + j * size, min(lo + (j + 1) * size, hi), step, j, n)
+
+    def _phase1_unit(self, r: int, step: int) -> Unit:
+        tlo, thi, elo, ehi = self._bounds(0)
+        nt, ne = self._parts(0)
+        if r == 0:
+            return Unit("ingest", -1, -1, 0, self.phase1_end)
+        if r == self._size(0) - 1:
+            return Unit("phase_end", -1, -1, 0, self.phase1_end)
+        e, q = divmod(r - 1, 3 + nt + ne)
+        if q == 0:
+            return Unit("reset", -1, e)
+        if q <= nt:
+            j = q - 1
+            return self._batch_unit("train", -1, e, tlo, thi, self._batch[0], j, nt,
+                                    step + e * nt + j)  # fmt: skip
+        if q == nt + 1:
+            return Unit("train_end", -1, e, tlo, thi)
+        if q <= nt + 1 + ne:
+            return self._batch_unit("eval", -1, e, elo, ehi, self.batch_size, q - nt - 2, ne)
+        return Unit("eval_end", -1, e, elo, ehi)
+
+    def _increment_unit(self, k: int, r: int, step: int) -> Unit:
+        lo, hi = self.increments[k]
+        nt, ne = self._parts(k + 1)
+        if r < 2:
+            return Unit(("ingest", "snapshot")[r], k, -1, lo, hi)
+        if r < 2 + ne:
+            return self._batch_unit("eval", k, -1, lo, hi, self.batch_size, r - 2, ne)
+        if r < 4 + ne:
+            return Unit(("eval_end", "retrain_begin")[r - 2 - ne], k, -1, lo, hi)
+        if r == self._size(k + 1) - 1:
+            return Unit("increment_end", k, -1, lo, hi)
+        e, q = divmod(r - 4 - ne, 3 + nt)
+        if q < 2:
+            return Unit(("restore", "replay")[q], k, e, lo, hi)
+        if q < 2 + nt:
+            j = q - 2
+            return self._batch_unit("train", k, e, lo, hi, self._batch[k + 1], j, nt,
+                                    step + e * nt + j)  # fmt: skip
+        return Unit("train_end", k, e, lo, hi)
 
 
 def phase1_bounds(num_events: int, c) -> tuple[int, int]:

@@ -28,6 +28,7 @@ from tidegraph.models.base import TemporalModel, link_roots
 from tidegraph.models.config import build_model
 from tidegraph.sampling.keyed import step_key
 from tidegraph.storage.cache import CachedFeatureStore
+from tidegraph.storage.checkpoint import compact
 from tidegraph.storage.events import EventBatch
 from tidegraph.training.fetch import flat_blocks, join_edge_features
 from tidegraph.training.optim import FlatAdam
@@ -381,8 +382,10 @@ class TrainerCore:
         return {
             "rank": self.rank,
             "steps": self.steps,
-            "model": self.model_state(),
-            "optimizer": self.optimizer.state_dict(),
+            # in storages of their own: a view of the flat parameter buffer would carry all of
+            # it wherever the state goes (to the driver, into a checkpoint)
+            "model": compact(self.model_state()),
+            "optimizer": compact(self.optimizer.state_dict()),
             "edge_cache": None if cache is None else cache.state_dict(),
             "features": None if cache is None else cache.store.state_dict(),
             "comm": sync.state_dict() if hasattr(sync, "state_dict") else sync,

@@ -1,0 +1,186 @@
+"""Checkpoints as manifests over chunks written once: bitwise round trips, what is shared
+between checkpoints and replicas, retention, and a kill in the middle of a write."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from collections import OrderedDict
+from pathlib import Path
+
+import pytest
+import torch
+
+from tidegraph.storage.checkpoint import CHUNK, INLINE, CheckpointStore, compact
+
+
+def _same(a, b) -> None:
+    """Bitwise equal trees (dtypes, shapes and bytes; NaN payloads included)."""
+    assert type(a) is type(b), (type(a), type(b))
+    if isinstance(a, dict):
+        assert list(a) == list(b)
+        for k in a:
+            _same(a[k], b[k])
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            _same(x, y)
+    elif isinstance(a, torch.Tensor):
+        assert (a.dtype, a.shape) == (b.dtype, b.shape)
+        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    else:
+        assert a == b
+
+
+def _files(path: Path) -> dict[str, int]:
+    return {str(p.relative_to(path)): p.stat().st_size for p in path.rglob("*") if p.is_file()}
+
+
+def test_a_checkpoint_comes_back_bitwise_whatever_its_tensors(tmp_path):
+    g = torch.Generator().manual_seed(3)
+    flat = torch.randn(100_000, generator=g)
+    weird = torch.tensor([float("nan"), -0.0, float("inf")]).repeat(20_000)
+    state = {
+        "model": OrderedDict(w=flat[:60_000].view(300, 200), b=flat[60_000:60_010]),
+        "tables": [
+            torch.randint(0, 2**62, (50_000,), generator=g),
+            weird,
+            torch.randn(40_000, generator=g).to(torch.bfloat16),
+            torch.rand(70_000, generator=g) > 0.5,
+            torch.empty(0, 16),
+        ],
+        "scalar": torch.tensor(2.5, dtype=torch.float64),
+        "gen": g.get_state(),
+        "plain": ("a", 1, None, [2.0]),
+    }
+    state["model"]._metadata = {"": {"version": 2}}
+    store = CheckpointStore.at(str(tmp_path / "ckpt"))
+    store.save(state, "one")
+    back = store.load()
+    _same(back, state)
+    assert back["model"]._metadata == {"": {"version": 2}}
+    assert store.latest() == "one" and store.tags() == ["one"]
+
+
+def test_equal_tensors_and_grown_tables_are_written_once(tmp_path):
+    """W replicas' equal parameters cost one copy; a table grown by appending rows shares its
+    earlier full chunks with the previous checkpoint; a view costs its own bytes only."""
+    rows = CHUNK // (16 * 4)  # rows of a chunk of a (n, 16) float32 table
+    table = torch.randn(3 * rows + 5, 16)
+    params = torch.randn(200_000)
+    big = torch.randn(1_000_000)
+    replicas = [{"model": params.clone(), "optimizer": params * 2} for _ in range(4)]
+    store = CheckpointStore.at(str(tmp_path / "ckpt"))
+    store.save({"trainers": replicas, "table": table, "view": big[:INLINE]}, "a")
+    want = 2 * params.numel() * 4 + table.numel() * 4 + INLINE * 4
+    assert want <= store.last_written < want + 50_000  # + the manifest
+
+    grown = torch.cat([table, torch.randn(rows, 16)])
+    store.save({"trainers": replicas, "table": grown, "view": big[:INLINE]}, "b")
+    # the 3 full chunks are shared; the old partial chunk's 5 rows and the new rows are new
+    new = (grown.shape[0] - 3 * rows) * 16 * 4
+    assert new <= store.last_written < new + 50_000
+    _same(store.load("a")["table"], table)
+    _same(store.load("b")["table"], grown)
+
+
+def test_retention_keeps_the_newest_and_deletes_what_only_older_ones_use(tmp_path):
+    path = tmp_path / "ckpt"
+    store = CheckpointStore.at(str(path))
+    shared = torch.randn(50_000)
+    states = {f"c{i}": {"shared": shared, "own": torch.full((50_000,), float(i))} for i in range(5)}
+    for tag, state in states.items():
+        store.save(state, tag, keep=2)
+    assert store.tags() == ["c3", "c4"] and store.latest() == "c4"
+    assert sorted(p.name for p in path.glob("*.pt")) == ["c3.pt", "c4.pt"]
+    blobs = list((path / "blobs").iterdir())
+    assert len(blobs) == 3  # shared, c3's own, c4's own
+    for tag in ("c3", "c4"):
+        _same(store.load(tag), states[tag])
+    with pytest.raises(FileNotFoundError):
+        store.load("c2")
+    # the same tag again replaces it and stays the newest
+    store.save(states["c3"], "c3", keep=2)
+    assert store.tags() == ["c4", "c3"] and store.latest() == "c3"
+    with pytest.raises(ValueError, match="keep must be >= 1"):
+        store.save(states["c0"], "x", keep=0)
+
+
+def test_checkpoints_written_as_whole_files_are_read_and_retired_in_order(tmp_path):
+    """A run directory of checkpoints written before manifests: they load as they are, and
+    retention counts them, oldest first."""
+    path = tmp_path / "ckpt"
+    path.mkdir()
+    for i, tag in enumerate(["phase1", "increment-00001"]):
+        torch.save({"x": torch.full((20_000,), float(i))}, path / f"{tag}.pt")
+        os.utime(path / f"{tag}.pt", ns=(10**18 + i, 10**18 + i))
+        (path / "latest").write_text(tag)
+    store = CheckpointStore.at(str(path))
+    assert store.tags() == ["phase1", "increment-00001"]
+    assert float(store.load()["x"][0]) == 1.0
+    store.save({"x": torch.full((20_000,), 2.0)}, "increment-00002", keep=2)
+    assert store.tags() == ["increment-00001", "increment-00002"]
+    assert not (path / "phase1.pt").exists()
+    assert float(store.load("increment-00001")["x"][0]) == 1.0
+
+
+def test_compact_gives_views_their_own_storage():
+    flat = torch.randn(10_000)
+    state = {"w": flat[:100].view(10, 10), "whole": flat, "opt": [flat[100:200]]}
+    out = compact(state)
+    assert out["w"].untyped_storage().nbytes() == 400
+    assert out["opt"][0].untyped_storage().nbytes() == 400
+    assert out["whole"] is flat  # already its own
+    _same(out, state)
+
+
+KILLED_WRITER = """
+import sys, time
+import torch
+from tidegraph.storage import checkpoint
+from tidegraph.storage.checkpoint import CheckpointStore
+
+store = CheckpointStore.at(sys.argv[1])
+store.save({"x": torch.full((300_000,), 1.0), "y": torch.arange(100_000)}, "first", keep=1)
+write = CheckpointStore._write
+
+def slow_write(self, name, data):
+    if name.startswith("blobs/"):  # half a chunk in its temporary file, then wait to be killed
+        with self.fs.open_output_stream(f"{self.path}/{name}.tmp") as out:
+            out.write(bytes(data)[: len(data) // 2])
+        print("writing", flush=True)
+        time.sleep(60)
+    write(self, name, data)
+
+CheckpointStore._write = slow_write
+store.save({"x": torch.full((300_000,), 2.0), "y": torch.arange(100_000)}, "second", keep=1)
+"""
+
+
+def test_a_kill_in_the_middle_of_a_write_leaves_the_previous_checkpoint_loadable(tmp_path):
+    path = tmp_path / "ckpt"
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(KILLED_WRITER), str(path)],
+                            stdout=subprocess.PIPE, text=True, start_new_session=True,
+                            cwd=Path(__file__).parents[1])  # fmt: skip
+    try:
+        assert proc.stdout.readline().strip() == "writing"
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    assert any(name.endswith(".tmp") for name in _files(path))  # killed mid-write
+    store = CheckpointStore.at(str(path))
+    assert store.latest() == "first"
+    back = store.load()
+    _same(back, {"x": torch.full((300_000,), 1.0), "y": torch.arange(100_000)})
+    # the next save clears what the kill left: temporary files, chunks nobody references
+    store.save({"x": torch.full((300_000,), 3.0), "y": torch.arange(100_000)}, "third", keep=1)
+    files = _files(path)
+    assert not any(name.endswith(".tmp") for name in files)
+    assert sorted(n for n in files if not n.startswith("blobs/")) == [
+        "index.json", "latest", "third.pt"]  # fmt: skip
+    assert len([n for n in files if n.startswith("blobs/")]) == 2  # x's and y's chunks
+    _same(store.load(), {"x": torch.full((300_000,), 3.0), "y": torch.arange(100_000)})

@@ -1,0 +1,259 @@
+"""Checkpoints as small manifests over content-addressed chunks, kept to a number.
+
+A checkpoint `tag` is the file `{tag}.pt` of a checkpoint directory: the state tree
+(`torch.save`) in which every tensor of `INLINE` bytes or more is replaced by a `TensorRef`
+(dtype, shape, device and the keys of its chunks). A chunk is a run of whole rows of the
+tensor's bytes, about `CHUNK` bytes, stored once as `blobs/{key}` (key: BLAKE2b of its bytes).
+So:
+- what does not change between checkpoints is written once and referenced by the later ones:
+  an immutable graph segment, the rows of a table that grows by appending rows (feature rows,
+  the id map, a segment list's older segments) up to its last partial chunk;
+- equal tensors are stored once: the W trainer replicas' parameters, optimizer and node state
+  (identical after every step) cost one copy, not W;
+- a tensor costs its own bytes, never those of a larger storage it views (a parameter view of
+  a flat buffer). `compact` gives the same for state sent between processes.
+
+Retention: `index.json` lists the checkpoints kept, oldest first, with the chunks each
+references. `save(state, tag, keep)` writes the new chunks, the manifest, the index and
+`latest` (naming the newest), then deletes the manifests of all but the newest `keep` and every
+chunk that no kept checkpoint (nor the one `latest` names) references. Every file is written to
+a temporary name and moved into place, and nothing a checkpoint references is deleted before
+`latest` names a newer one, so a kill at any point leaves `latest` naming a checkpoint whose
+files all exist (a kill's leftovers, temporary files and unreferenced chunks, go at the next
+save). Loading resolves the references; bytes come back as they were written (bitwise).
+
+Storage is a `pyarrow.fs` file system (local path, s3://, gs://).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import pyarrow.fs as pafs
+import torch
+
+__all__ = ["CHUNK", "INLINE", "CheckpointStore", "TensorRef", "compact", "read_file", "write_file"]
+
+log = logging.getLogger(__name__)
+
+CHUNK = 4 << 20  # bytes of a chunk (whole rows; a row larger than this is one chunk)
+INLINE = 64 << 10  # tensors smaller than this stay in the manifest
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """A tensor stored as chunks: their keys, in order, make its bytes."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    device: str
+    chunks: tuple[str, ...]
+
+
+class CheckpointStore:
+    """Checkpoints in directory `path` of file system `fs` (see the module's docstring)."""
+
+    def __init__(self, fs: pafs.FileSystem, path: str) -> None:
+        self.fs, self.path = fs, path.rstrip("/")
+        self.last_written = 0  # bytes the newest `save` wrote (chunks and manifest)
+
+    @classmethod
+    def at(cls, uri: str) -> CheckpointStore:
+        """The store at a local path or a URI `pyarrow.fs` opens."""
+        fs, path = pafs.FileSystem.from_uri(uri) if "://" in uri else (pafs.LocalFileSystem(), uri)
+        return cls(fs, path)
+
+    # ---- writing ------------------------------------------------------------------------------
+
+    def save(self, state, tag: str, keep: int | None = None, meta: dict | None = None) -> None:
+        """Write `state` as checkpoint `tag` (replacing one of that tag), name it `latest`,
+        then keep the newest `keep` checkpoints (None: all). `meta`: a small JSON-able dict
+        kept in the index (`meta(tag)`), readable without loading the checkpoint."""
+        if keep is not None and keep < 1:
+            raise ValueError(f"CheckpointStore.save: keep must be >= 1, got {keep}")
+        have = {p.rsplit("/", 1)[-1] for p in self._list("blobs")}
+        written, refs = 0, set()
+
+        def put(t: torch.Tensor) -> TensorRef:
+            nonlocal written
+            data = _bytes(t)
+            keys = []
+            for a, b in _chunks(t, len(data)):
+                key = hashlib.blake2b(data[a:b], digest_size=20).hexdigest()
+                if key not in have:
+                    self._write(f"blobs/{key}", data[a:b])
+                    have.add(key)
+                    written += b - a
+                keys.append(key)
+            refs.update(keys)
+            return TensorRef(str(t.dtype).removeprefix("torch."), tuple(t.shape), str(t.device),
+                             tuple(keys))  # fmt: skip
+
+        manifest = io.BytesIO()
+        torch.save(_map(state, lambda t: put(t) if _chunked(t) else _own(t)), manifest)
+        self._write(f"{tag}.pt", manifest.getbuffer())
+        self.last_written = written + manifest.getbuffer().nbytes
+
+        index = self._index()
+        order = [x for x in index["order"] if x != tag] + [tag]
+        index["blobs"][tag] = sorted(refs)
+        index.setdefault("meta", {})[tag] = meta or {}
+        kept = order if keep is None else order[-keep:]
+        self._write("index.json", json.dumps({
+            "order": kept, **{part: {x: index[part][x] for x in kept if x in index[part]}
+                              for part in ("blobs", "meta")}}).encode())  # fmt: skip
+        self._write("latest", tag.encode())
+        self._prune(set(kept), {k for x in kept for k in index["blobs"].get(x, ())})
+        log.info("checkpoint %s: %d new bytes written, %d kept", tag, self.last_written, len(kept))
+
+    def _prune(self, kept: set[str], referenced: set[str]) -> None:
+        """Delete manifests not kept, chunks not referenced and temporary files (`latest`
+        names a kept checkpoint when this runs)."""
+        for path in self._list(""):
+            name = path.rsplit("/", 1)[-1]
+            if name.endswith(".tmp") or (name.endswith(".pt") and name[:-3] not in kept):
+                self.fs.delete_file(path)
+        for path in self._list("blobs"):
+            name = path.rsplit("/", 1)[-1]
+            if name.endswith(".tmp") or name not in referenced:
+                self.fs.delete_file(path)
+
+    # ---- reading ------------------------------------------------------------------------------
+
+    def latest(self) -> str | None:
+        """The newest checkpoint's tag (None: no checkpoint yet)."""
+        if not self._exists("latest"):
+            return None
+        return self._read("latest").decode().strip()
+
+    def tags(self) -> list[str]:
+        """The kept checkpoints, oldest first."""
+        return list(self._index()["order"])
+
+    def meta(self, tag: str) -> dict:
+        """What `save` was given as `meta` for checkpoint `tag` ({} if nothing)."""
+        return self._index().get("meta", {}).get(tag, {})
+
+    def load(self, tag: str | None = None):
+        """Checkpoint `tag` (default: the newest), every tensor as it was saved."""
+        tag = tag or self.latest()
+        if tag is None:
+            raise FileNotFoundError(f"{self.path}: no checkpoint")
+        state = torch.load(io.BytesIO(self._read(f"{tag}.pt")), weights_only=False)
+        return _map(state, None, self._tensor)
+
+    def _tensor(self, ref: TensorRef) -> torch.Tensor:
+        data = bytearray().join(self._read(f"blobs/{key}") for key in ref.chunks)
+        dtype = getattr(torch, ref.dtype)
+        t = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+        t = t.view(dtype).reshape(ref.shape)
+        if ref.device.startswith("cuda") and torch.cuda.is_available():
+            t = t.to(ref.device)
+        return t
+
+    def bytes_on_disk(self) -> int:
+        """Bytes of every file in the store."""
+        infos = self.fs.get_file_info(pafs.FileSelector(self.path, recursive=True,
+                                                        allow_not_found=True))  # fmt: skip
+        return sum(i.size for i in infos if i.type == pafs.FileType.File)
+
+    # ---- files --------------------------------------------------------------------------------
+
+    def _index(self) -> dict:
+        """The kept checkpoints; a directory of whole-file checkpoints (written before
+        manifests) lists them oldest first (they reference no chunks)."""
+        if self._exists("index.json"):
+            return json.loads(self._read("index.json"))
+        infos = self.fs.get_file_info(pafs.FileSelector(self.path, allow_not_found=True))
+        old = sorted((i.mtime_ns, i.base_name[:-3]) for i in infos if i.base_name.endswith(".pt"))
+        return {"order": [tag for _, tag in old], "blobs": {}, "meta": {}}
+
+    def _list(self, sub: str) -> list[str]:
+        where = f"{self.path}/{sub}".rstrip("/")
+        infos = self.fs.get_file_info(pafs.FileSelector(where, allow_not_found=True))
+        return [i.path for i in infos if i.type == pafs.FileType.File]
+
+    def _exists(self, name: str) -> bool:
+        return self.fs.get_file_info(f"{self.path}/{name}").type != pafs.FileType.NotFound
+
+    def _write(self, name: str, data) -> None:
+        write_file(self.fs, f"{self.path}/{name}", data)
+
+    def _read(self, name: str) -> bytes:
+        return read_file(self.fs, f"{self.path}/{name}")
+
+
+def write_file(fs: pafs.FileSystem, path: str, data) -> None:
+    """`data` (bytes or a buffer) as file `path`, whole or not at all: written to a temporary
+    name, then moved into place (its directory made if missing)."""
+    fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
+    tmp = f"{path}.tmp"
+    with fs.open_output_stream(tmp) as out:
+        out.write(data)
+    fs.move(tmp, path)
+
+
+def read_file(fs: pafs.FileSystem, path: str) -> bytes:
+    with fs.open_input_stream(path) as f:
+        return f.read()
+
+
+def compact(state):
+    """`state` with every tensor that views a larger storage copied into its own (a parameter
+    view of a flat buffer would otherwise carry the whole buffer where it is sent)."""
+    return _map(state, _own)
+
+
+def _own(t: torch.Tensor) -> torch.Tensor:
+    if t.layout != torch.strided or t.is_quantized:
+        return t
+    if t.untyped_storage().nbytes() > t.numel() * t.element_size():
+        return t.clone()
+    return t
+
+
+def _chunked(t: torch.Tensor) -> bool:
+    """Whether tensor `t` is stored as chunks (large, dense, plain)."""
+    return (t.layout == torch.strided and not t.is_quantized and not t.is_complex()
+            and t.numel() * t.element_size() >= INLINE)  # fmt: skip
+
+
+def _bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of `t`, row-major."""
+    flat = t.detach().to("cpu").contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+
+
+def _chunks(t: torch.Tensor, size: int) -> list[tuple[int, int]]:
+    """Byte ranges of whole rows (along dim 0), about `CHUNK` bytes each."""
+    rows = t.shape[0] if t.dim() else 1
+    row = size // max(rows, 1)
+    step = max(1, CHUNK // max(row, 1)) * row
+    return [(a, min(a + step, size)) for a in range(0, size, step)]
+
+
+def _map(x, tensor=None, ref=None):
+    """`x` with tensors through `tensor` and refs through `ref` (None: kept), containers
+    (dict, OrderedDict, list, tuple, named tuple) rebuilt."""
+    if isinstance(x, torch.Tensor):
+        return tensor(x) if tensor is not None else x
+    if isinstance(x, TensorRef):
+        return ref(x) if ref is not None else x
+    if isinstance(x, OrderedDict):  # a module's state dict: its `_metadata` (versions) kept
+        out = OrderedDict((k, _map(v, tensor, ref)) for k, v in x.items())
+        if hasattr(x, "_metadata"):
+            out._metadata = x._metadata
+        return out
+    if isinstance(x, dict):
+        return {k: _map(v, tensor, ref) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_map(v, tensor, ref) for v in x]
+    if isinstance(x, tuple):
+        values = [_map(v, tensor, ref) for v in x]
+        return type(x)(*values) if hasattr(x, "_fields") else tuple(values)
+    return x
