@@ -28,6 +28,7 @@ from common import machine, write_json  # noqa: E402
 from tidegraph.orchestrator import make_group  # noqa: E402
 from tidegraph.runtime import set_determinism  # noqa: E402
 from tidegraph.training import ContinualLearner, RunConfig, load_stream  # noqa: E402
+from tidegraph.training.offline import train_pass
 from tidegraph.training.schedule import phase1_bounds  # noqa: E402
 
 PHASES = ("sample", "fetch", "compute", "allreduce", "optimizer", "apply", "exchange")
@@ -55,11 +56,11 @@ def measure(args, stream, backend, shards, trainers, threads) -> dict:
         val_start, end = phase1_bounds(len(stream.events), cfg.continual)
         learner.ingest(0, end)
         warm = min(args.warmup, val_start // 2)
-        learner.train_pass(0, warm, "warm-up")
+        train_pass(learner, 0, warm, "warm-up")
         learner.group.take_seconds()
         learner.group.take_step_edges()
         t0 = time.perf_counter()
-        learner.train_pass(warm, val_start, "timed")
+        train_pass(learner, warm, val_start, "timed")
         wall = time.perf_counter() - t0
         seconds = learner.group.take_seconds()
         edges = learner.group.take_step_edges()

@@ -46,6 +46,7 @@ from common import machine, print_table, sync, write_json  # noqa: E402
 from tidegraph.runtime import tune_host_allocator  # noqa: E402
 from tidegraph.training import ContinualLearner, RunConfig, load_stream  # noqa: E402
 from tidegraph.training.metrics import average_precision, roc_auc  # noqa: E402
+from tidegraph.training.offline import eval_pass, train_pass
 
 
 def _pyg():
@@ -206,11 +207,11 @@ def main() -> None:
             learner.model.reset_state()
             sync(device)
             t0, c0 = time.perf_counter(), time.process_time()
-            learner.train_pass(0, train_end, f"{name} epoch {epoch + 1}")
+            train_pass(learner, 0, train_end, f"{name} epoch {epoch + 1}")
             sync(device)
             times[name].append(time.perf_counter() - t0)
             cpu[name].append(time.process_time() - c0)
-            learner.eval_pass(train_end, val_end, f"{name} val", observe=True)
+            eval_pass(learner, train_end, val_end, f"{name} val", observe=True)
         if pyg is not None:
             batches = mk(0, train_end)
             sync(device)
@@ -224,7 +225,7 @@ def main() -> None:
             f"{k} {v[-1]:.2f} s (cpu {cpu[k][-1]:.2f})" for k, v in times.items() if v
         )
         print(f"epoch {epoch + 1}: {shown}", flush=True)
-    tests = {name: learner.eval_pass(val_end, n, f"{name} test", observe=True)
+    tests = {name: eval_pass(learner, val_end, n, f"{name} test", observe=True)
              for name, learner in ours.items()}  # fmt: skip
     rows = [_row(f"tidegraph TGN ({args.history} history, root_dedup {name.split('/')[1]})",
                  test, times[name], cpu[name]) for name, test in tests.items()]  # fmt: skip

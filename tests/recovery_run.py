@@ -36,18 +36,28 @@ def finish(orchestrator, max_steps: int = 200) -> None:
     assert orchestrator.state is RunState.FINISHED, why
 
 
-def run(cfg, stream, during=None, join_s: float = 60.0, during_in_main: bool = False) -> dict:
+def run(cfg, stream, during=None, join_s: float = 60.0, during_in_main: bool = False,
+        live: bool = False) -> dict:  # fmt: skip
     """The whole run; `during(learner)` is started in a thread once the group is up (or,
     `during_in_main`, runs in this thread while the run trains in another: Ray's
     `Cluster.add_node` works only in the main thread). What the thread raises fails the run,
-    as does a `during` thread still running `join_s` seconds after the run."""
+    as does a `during` thread still running `join_s` seconds after the run. `live`: the
+    stream's increments are appended one by one, as a followed source gives them, and the
+    learner is checked to hold none it has learned (`live_stream`)."""
     set_determinism(7, threads=1)
     with tempfile.TemporaryDirectory(prefix="tidegraph-log-") as where:
         log = EventLog(where)
-        learner = ContinualLearner(cfg, stream, make_group, event_log=log)
+        increments = []
+        if live:
+            stream, increments = live_stream(cfg, stream)
+        learner = ContinualLearner(cfg, stream, make_group, event_log=log, live=live)
 
         def train() -> None:
             learner.run_phase1()
+            for events in increments:
+                learner.append(events)
+                learner.step()
+                assert len(learner.events) == 0 and learner.base == learner.end  # in the log
             while not learner.done:
                 learner.step()
 
@@ -70,12 +80,24 @@ def run(cfg, stream, during=None, join_s: float = 60.0, during_in_main: bool = F
             learner.group.shutdown()
 
 
-def reference(cfg, stream) -> dict:
+def reference(cfg, stream, live: bool = False) -> dict:
     """The fault-free run of `cfg` on the in-process group (`cluster.backend: local`), which
     is bitwise the Ray group's (`test_ray`) and starts no process."""
     raw = cfg.to_dict()
     raw["cluster"] = {**raw["cluster"], "backend": "local"}
-    return run(RunConfig.from_dict(raw), stream)
+    return run(RunConfig.from_dict(raw), stream, live=live)
+
+
+def live_stream(cfg, stream) -> tuple:
+    """`stream`'s phase 1 as a stream of its own, and its increments' events, as a followed
+    run gets them."""
+    from tidegraph.training.data import stream_of
+    from tidegraph.training.schedule import Schedule
+
+    c = cfg.continual
+    schedule = Schedule(stream.events.t, c, cfg.train.batch_size, cfg.train.epochs)
+    phase1 = stream_of(stream.events.select(slice(0, schedule.phase1_end)), stream.name)
+    return phase1, [stream.events.select(slice(lo, hi)) for lo, hi in schedule.increments]
 
 
 def outcome(learner, log: EventLog) -> dict:
@@ -85,7 +107,7 @@ def outcome(learner, log: EventLog) -> dict:
     shards = group.shard_states()
     counts = assert_held_as_logged(shards, group.partitioner, log, learner.stream.idmap,
                                    learner.cursor.ingested)  # fmt: skip
-    report = group.report(learner.stream.events.src, learner.stream.events.dst)
+    report = group.partition(learner.tally)
     assert report["shard_events"] == counts  # what the group reports is what it holds
     local = isinstance(group, LocalGroup)  # a reference run, in this process
     return {

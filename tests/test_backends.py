@@ -619,6 +619,8 @@ CASES = [
     Case("continual.increment_window", {"continual": {"increment_window": 5000.0}}),
     Case("continual.replay_ratio", {"continual": {"replay_ratio": 1.0}}),
     Case("continual.replay", IMPORTANCE),
+    # a reservoir smaller than the history: a sample of it is replayed, not all of it
+    Case("continual.replay_capacity", {"continual": {"replay_capacity": 200}}),
     Case(
         "continual.importance_floor",
         _with(IMPORTANCE, continual={"importance_floor": 0.5}),
@@ -820,7 +822,8 @@ COMBINED = [
         "sampler": {"fanouts": [5, 3], "history": "batch", "root_dedup": "never"},
         "train": {"lr": 2e-3, "train_negatives": 2},
         "continual": {"increment_events": 150, "replay": "importance", "importance_floor": 0.3,
-                      "replay_ratio": 0.8, "fresh_optimizer": True, "retrain_epochs": 2},
+                      "replay_ratio": 0.8, "fresh_optimizer": True, "retrain_epochs": 2,
+                      "replay_capacity": 300},
         "cluster": {"spare_trainers": 1, "shard_replicas": 2, "trainer_cpus": 0.5,
                     "shard_cpus": 0.25, "trainer_gpus": 0.5, "collective_timeout_s": 60.0,
                     "max_recoveries": 3,

@@ -23,6 +23,7 @@ from tidegraph.storage import DynamicGraph
 from tidegraph.storage.partition import HashPartitioner
 from tidegraph.training import ContinualLearner, RunConfig, load_stream
 from tidegraph.training.config import SamplerConfig
+from tidegraph.training.offline import train_pass
 from tidegraph.training.shard import ShardCore, route_events
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -144,7 +145,7 @@ def test_batch_history_sees_nothing_of_its_own_batch(wiki, history):
     trainer.sampler = rec = _Recording(trainer.sampler)
     n = 600
     learner.ingest(0, n)
-    learner.train_pass(0, n, "train")
+    train_pass(learner, 0, n, "train")
     in_batch = 0
     for block, lo in zip(rec.seen, range(0, n, 100), strict=True):  # batches of 100 events
         eids = block.nbr_eids[block.mask]

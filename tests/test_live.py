@@ -249,7 +249,7 @@ def cut_mid_increment(run: Orchestrator, increments: int) -> None:
     assert run.step() is RunState.RUNNING and not run.learner.done  # taken
     learner = run.learner
     learner.run_unit(learner.schedule.units[learner.cursor.unit])  # its ingest unit
-    assert learner.ingested == len(learner.events)
+    assert learner.ingested == learner.end
 
 
 def assert_same_run(whole, cut, total: int) -> None:

@@ -206,6 +206,29 @@ def test_a_shard_sigkilled_mid_pass_is_rebuilt_from_the_log_exactly(
     assert_same_run(got, fault_free)  # including every shard's event count
 
 
+def test_a_live_run_holding_only_its_window_rebuilds_a_lost_shard_from_the_log(
+    ray_session, wiki, quick_polls
+):
+    """A followed run's driver holds no event it has learned (checked after each increment:
+    `live`); a shard SIGKILLed in the last increment is rebuilt by routing phase 1 and the
+    first increment again, read back from the durable log, and the increment under way from
+    memory: every partition holds the log's events, and the run ends bitwise as the
+    fault-free one."""
+
+    def during(learner) -> None:
+        for _ in range(24000):  # bounded: until the last increment is under way
+            if learner.cursor.increment >= 1 or learner.done:
+                break
+            time.sleep(0.005)
+        assert kill_after(learner, lambda g: g.shards[1], 0), "the run ended before the kill"
+
+    want = reference(config(), wiki, live=True)
+    got = run(config(), wiki, during=during, live=True)
+    (rebuilt,) = [e for e in got["recoveries"] if "events" in e]
+    assert rebuilt["lost_shards"] == [1] and rebuilt["replayed_batches"] == 3
+    assert_same_run(got, want)
+
+
 def test_failures_one_after_another_end_as_the_fault_free_run(
     ray_session, wiki, fault_free, quick_polls
 ):

@@ -26,6 +26,8 @@ from tidegraph.training import (
     run_offline,
 )
 from tidegraph.training.config import ContinualConfig
+from tidegraph.training.offline import eval_pass
+from tidegraph.training.sampling import node_degree
 
 SMALL = {
     "model": {"dim": 32, "time_dim": 16, "memory_dim": 32},
@@ -72,7 +74,7 @@ def test_continual_run_learns(model, over, wiki, tmp_path):
     end = learner.phase1_end
     val_start = end - int(end * cfg.continual.val_fraction)
     learner.ingest(0, end)
-    untrained = learner.eval_pass(val_start, end, "untrained", observe=False)["ap"]
+    untrained = eval_pass(learner, val_start, end, "untrained", observe=False)["ap"]
     learner.run_phase1()
     trained = learner.history[-1]["val_ap"]
     steps = [learner.step() for _ in range(learner.num_increments)]
@@ -322,10 +324,11 @@ def test_average_precision_on_a_hand_computed_case():
 def test_importance_replay_is_unbiased_and_prefers_changed_nodes(wiki):
     ev = wiki.events
     replay = ImportanceReplay(seed=0, floor=0.1)
-    end, inc = 2000, slice(2000, 2500)
-    s = replay.scores(ev, end, inc)
-    f = (ev.src[:end] % 7).double()  # any per-event quantity
-    pos, w = replay.select(ev, end, inc, 200_000)
+    pool, new = ev.select(slice(0, 2000)), ev.select(slice(2000, 2500))
+    degree = node_degree(torch.zeros(0, dtype=torch.int64), ev.select(slice(0, 2500)), 0)
+    s = replay.scores(pool, new, degree)
+    f = (pool.src % 7).double()  # any per-event quantity
+    pos, w = replay.select(pool, new, degree, 200_000)
     assert float((f[pos] * w).mean()) == pytest.approx(float(f.mean()), rel=0.02)
     assert float(s[pos].mean()) > float(s.mean())
 
@@ -335,7 +338,9 @@ def test_importance_replay_beyond_two_to_the_24_old_events():
     n = 2**24 + 1000
     src = torch.arange(n) % 1000
     ev = EventBatch(src, src + 1000, torch.arange(n, dtype=torch.float64), torch.arange(n))
-    pos, w = ImportanceReplay(seed=0).select(ev, n - 500, slice(n - 500, n), 100)
+    degree = node_degree(torch.zeros(0, dtype=torch.int64), ev, 0)
+    pool, new = ev.select(slice(0, n - 500)), ev.select(slice(n - 500, n))
+    pos, w = ImportanceReplay(seed=0).select(pool, new, degree, 100)
     assert pos.shape == w.shape == (100,) and int(pos.max()) < n - 500 and (w > 0).all()
 
 

@@ -43,6 +43,7 @@ from tidegraph.orchestrator.backend import make_group
 from tidegraph.recovery.policy import NoReplicaLeft
 from tidegraph.recovery.updatelog import drop_steps_before, logged_steps
 from tidegraph.storage.events import EventBatch
+from tidegraph.storage.idmap import IdMap
 from tidegraph.training.continual import ContinualLearner
 from tidegraph.training.data import Stream, stream_of
 
@@ -337,12 +338,20 @@ class Orchestrator:
             return
         if self.source is not None:  # the increments after phase 1, as they were cut
             bounds = state["live"]["increments"]
-            logged = _owned(event_log.read(0, state["log_offset"]))
-            for lo, hi in bounds:
-                self.learner.append(logged.select(slice(lo, hi)))
-            if len(self.learner.events) != state["log_offset"]:
+            orchestrator = state["learner"]["orchestrator"]
+            # learned ones by their bounds alone; any later one read from the log (through the
+            # checkpoint's id map: the ids of the increments learned are in it)
+            if "idmap" in orchestrator:
+                self.learner.stream.idmap = IdMap.from_state(orchestrator["idmap"])
+            learned = orchestrator["cursor"]["increment"]
+            for k, (lo, hi) in enumerate(bounds):
+                if k < learned:
+                    self.learner.append_learned(lo, hi)
+                else:
+                    self.learner.append(_owned(event_log.read(lo, hi)))
+            if self.learner.end != state["log_offset"]:
                 raise ValueError(f"--resume: the checkpoint's increments end at "
-                                 f"{len(self.learner.events)}, its log offset is "
+                                 f"{self.learner.end}, its log offset is "
                                  f"{state['log_offset']}")  # fmt: skip
         self.learner.load_state_dict(state["learner"])
         history = self.learner.history

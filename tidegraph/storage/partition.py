@@ -28,6 +28,7 @@ import torch
 __all__ = [
     "HashPartitioner",
     "LDGPartitioner",
+    "PartitionTally",
     "Partitioner",
     "build_partitioner",
     "partition_report",
@@ -145,6 +146,59 @@ def build_partitioner(kind: str, num_parts: int) -> Partitioner:
     if kind == "ldg":
         return LDGPartitioner(num_parts)
     raise ValueError(f"cluster.partitioner must be one of {PARTITIONERS}, got {kind!r}")
+
+
+class PartitionTally:
+    """`partition_report` of every event ingested so far, counted batch by batch: events, cut
+    events, stored endpoints per part and which nodes were seen (O(nodes + parts), never the
+    events). A node's part does not change once placed, so `report` is what `partition_report`
+    over all the events gives."""
+
+    def __init__(self) -> None:
+        self.events = self.cut = 0
+        self.stored = torch.zeros(0, dtype=torch.int64)
+        self.seen = torch.zeros(0, dtype=torch.bool)
+
+    def add(self, src: torch.Tensor, dst: torch.Tensor, owner: Partitioner) -> None:
+        """Events (src, dst) that were just routed by `owner` (their nodes are placed)."""
+        if not src.numel():
+            return
+        o_src, o_dst = owner.owner(src), owner.owner(dst)
+        self.events += int(src.numel())
+        self.cut += int((o_src != o_dst).sum())
+        stored = torch.bincount(torch.cat([o_src, o_dst]), minlength=owner.num_parts)
+        self.stored = stored + _padded(self.stored, stored.numel())
+        top = int(torch.maximum(src.max(), dst.max())) + 1
+        self.seen = _padded(self.seen, max(top, self.seen.numel()))
+        self.seen[src] = True
+        self.seen[dst] = True
+
+    def report(self, owner: Partitioner) -> dict:
+        nodes = self.seen.nonzero().squeeze(1)
+        p = owner.num_parts
+        node_load = torch.bincount(owner.owner(nodes), minlength=p).double()
+        stored = _padded(self.stored, p).double()
+        return {
+            "shards": p,
+            "edge_cut": self.cut / self.events if self.events else 0.0,
+            "node_balance": (node_load.max() / node_load.mean()).item() if nodes.numel() else 1.0,
+            "edge_balance": (stored.max() / stored.mean()).item() if self.events else 1.0,
+        }
+
+    def state_dict(self) -> dict:
+        return {"events": self.events, "cut": self.cut, "stored": self.stored.clone(),
+                "seen": self.seen.clone()}  # fmt: skip
+
+    def load_state_dict(self, state: dict) -> None:
+        self.events, self.cut = state["events"], state["cut"]
+        self.stored, self.seen = state["stored"].clone(), state["seen"].clone()
+
+
+def _padded(x: torch.Tensor, n: int) -> torch.Tensor:
+    """`x` with zeros (False) appended up to n entries."""
+    if x.numel() >= n:
+        return x
+    return torch.cat([x, torch.zeros(n - x.numel(), dtype=x.dtype)])
 
 
 def partition_report(src: torch.Tensor, dst: torch.Tensor, owner) -> dict:

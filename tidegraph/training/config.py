@@ -147,6 +147,9 @@ class ContinualConfig:
     increment_window: float | None = None  # ... or a time window each (e.g. 86400 = a day)
     replay_ratio: float = 0.5  # replayed old events per new event, in [0, 1]
     replay: str = "uniform"  # or "importance"
+    # old events the driver keeps to replay from (a uniform reservoir sample of the history;
+    # all of it while it fits)
+    replay_capacity: int = 1_000_000
     importance_floor: float = 0.1
     retrain_epochs: int = 1
     fresh_optimizer: bool = False
@@ -166,6 +169,8 @@ class ContinualConfig:
             raise ValueError(
                 f"continual.replay must be 'uniform' or 'importance', got {self.replay!r}"
             )
+        if self.replay_capacity < 1:
+            raise ValueError(f"continual.replay_capacity must be >= 1, got {self.replay_capacity}")
         if not 0 < self.importance_floor <= 1:
             raise ValueError(
                 f"continual.importance_floor must be in (0, 1], got {self.importance_floor}"

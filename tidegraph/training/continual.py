@@ -49,11 +49,12 @@ from tidegraph.storage.idmap import IdMap
 from tidegraph.training.config import RunConfig
 from tidegraph.training.data import Stream, stream_for
 from tidegraph.training.group import LocalGroup
+from tidegraph.training.history import EventHistory
 from tidegraph.training.metrics import average_precision, link_metrics
-from tidegraph.training.progress import Progress, close_pass_bar, pass_bar, steps_shown
+from tidegraph.training.progress import close_pass_bar, pass_bar, steps_shown
 from tidegraph.training.records import RecordLog, cluster_record
 from tidegraph.training.sampling import NegativeSampler, build_replay
-from tidegraph.training.schedule import Cursor, Schedule, Unit, batch_bounds
+from tidegraph.training.schedule import Cursor, Schedule, Unit
 
 __all__ = ["ContinualLearner"]
 
@@ -82,18 +83,23 @@ class ContinualLearner:
         self.stream = stream or stream_for(config.data)
         if self.stream.idmap is None:  # a stream made without stream_of: its ids are dense
             self.stream.idmap = IdMap(self.stream.num_nodes)
-        self.events = self.stream.events
+        self.live = live
+        seed = config.seed
+        c = config.continual
+        # the window in memory; old events from the log, a bounded sample of them to replay
+        self.history_events = EventHistory(self.stream, event_log, live, c.replay_capacity,
+                                           seed_for(seed, "reservoir"), c.replay == "importance",
+                                           self._old_end)  # fmt: skip
         # node tables start empty and grow with the nodes seen; the placement rule sizes node
         # state by the stream's node count
         make = group or _local_group(config)
         self.group = make(config, 0, self.stream.edge_dim, expected_nodes=self.stream.num_nodes)
-        # a group that rebuilds lost shards routes the stream's batches again (the durable
-        # log holds the same events; this learner reads them from its stream)
-        self.group.replay_source = lambda lo, hi: self.events.select(slice(lo, hi))
+        # a group that rebuilds lost shards routes the stream's batches again, read back from
+        # the durable log (from memory for the block under way)
+        self.group.replay_source = self.history_events.read
         self.num_nodes = 0  # one past the largest node id ingested
         self.slot_precision = resolved_slot_precision(config.model.slot_precision, self.device)
         log.info("attention slot projections in %s on %s", self.slot_precision, self.device)
-        seed = config.seed
         self.negatives = NegativeSampler(seed_for(seed, "negatives"))
         self.replay = build_replay(
             config.continual.replay, seed_for(seed, "replay"), config.continual.importance_floor
@@ -219,7 +225,7 @@ class ContinualLearner:
             ps.update(pos=[], neg=[], t_pass=time.perf_counter())
             batches = []
             for u in todo:
-                ev = self.events.select(slice(u.lo, u.hi))
+                ev = self._events(u.lo, u.hi)
                 batches.append((ev, self.negatives.sample(len(ev), self.eval_negatives)))
             for p, n in self.group.eval_pass(batches, True, progress):
                 ps["pos"].append(p)
@@ -229,11 +235,13 @@ class ContinualLearner:
 
     def _train_inputs(self, u: Unit, ps: dict):
         """(events, weights, negatives, new events) of training unit `u`."""
-        ev = self.events.select(slice(u.lo, u.hi))
+        ev = self._events(u.lo, u.hi)
         weight, n_new = None, len(ev)
         if u.increment >= 0:  # retraining: the batch plus its share of the epoch's replay
             part = ps["replay_parts"][u.part]
-            rep = self.events.select(ps["replay_pos"][part])
+            rep = self.history_events.pool().select(ps["replay_pos"][part])
+            if rep.label is None:  # the reservoir keeps no labels (unused by learning)
+                ev.label = None
             weight = torch.cat([torch.ones(len(ev)), ps["replay_weight"][part]])
             ev = EventBatch.cat([ev, rep])
         return ev, weight, self.negatives.sample(len(ev), self.train_negatives), n_new
@@ -254,7 +262,7 @@ class ContinualLearner:
             val_start, end = self.val_start, self.phase1_end
             record = {"phase": "phase1", "train_events": val_start, "val_events": end - val_start}
             record.update(cluster_record(self.group))
-            part = self.group.report(self.events.src[:end], self.events.dst[:end])
+            part = self.group.partition(self.tally)
             record.update({f"partition_{k}": v for k, v in part.items() if k != "shard_events"})
             log.info("partition: %s", part)
             ps["record"] = record
@@ -284,7 +292,7 @@ class ContinualLearner:
     def _unit_eval(self, u: Unit, ps: dict) -> None:
         if u.part == 0:
             ps.update(pos=[], neg=[], t_pass=time.perf_counter())
-        p, n = self._eval_batch(self.events.select(slice(u.lo, u.hi)), observe=True)
+        p, n = self._eval_batch(self._events(u.lo, u.hi), observe=True)
         ps["pos"].append(p)
         ps["neg"].append(n)
         pass_bar(ps, u, u.hi - u.lo, self.config.progress)
@@ -307,7 +315,7 @@ class ContinualLearner:
             self.group.new_optimizers()
         ps["t_train"] = time.perf_counter()
         # GNNFlow's restoration: seed the feature caches with the round's edges
-        self.group.restore_caches(self.events.eid[u.lo : u.hi])
+        self.group.restore_caches(self._events(u.lo, u.hi).eid)
         ps.update(loss=float("nan"), replayed=0)
 
     def _unit_restore(self, u: Unit, ps: dict) -> None:
@@ -315,14 +323,17 @@ class ContinualLearner:
 
     def _unit_replay(self, u: Unit, ps: dict) -> None:
         m = int(round(self.config.continual.replay_ratio * (u.hi - u.lo)))
-        pos, weight = self.replay.select(self.events, u.lo, slice(u.lo, u.hi), m)
+        h = self.history_events
+        pos, weight = self.replay.select(h.pool(), self._events(u.lo, u.hi), h.degree, m)
         n_batches = -(-(u.hi - u.lo) // self.schedule.train_batch)
         ps.update(replay_pos=pos, replay_weight=weight, replayed=int(pos.numel()))
         ps["replay_parts"] = torch.tensor_split(torch.arange(pos.numel()), n_batches)
 
     def _unit_phase_end(self, u: Unit, ps: dict) -> dict:
         record = ps.pop("record")
+        self.history_events.learned(self._events(0, self.phase1_end))
         self.cursor.phase1_done = True
+        self.history_events.forget()
         self._log(record)
         return record
 
@@ -331,12 +342,13 @@ class ContinualLearner:
         k, start, end = u.increment, u.lo, u.hi
         train_s = time.perf_counter() - ps["t_train"]
         n_replay = ps["replayed"]
+        ev = self._events(start, end)
         record = {
             "phase": "increment",
             "increment": k,
             "events": end - start,
-            "t_start": float(self.events.t[start]),
-            "t_end": float(self.events.t[end - 1]),
+            "t_start": float(ev.t[0]),
+            "t_end": float(ev.t[-1]),
             **ps["metrics"],
             "loss": ps["loss"],
             "replayed": n_replay,
@@ -348,7 +360,9 @@ class ContinualLearner:
         if stats is not None:  # cumulative feature-cache figures, for metrics
             for key in ("hit_rate", "bytes_h2d", "lookup_seconds", "capacity"):
                 record[f"edge_cache_{key}"] = stats[key]
+        self.history_events.learned(ev)
         self.cursor.increment += 1
+        self.history_events.forget()
         ps.clear()
         self._log(record)
         return record
@@ -357,16 +371,39 @@ class ContinualLearner:
         """Events that arrived on a live stream: the next increment (eids continue the
         stream's positions); their external ids, as a source or the durable log (which holds
         external ids) gives them, become dense through the stream's id map."""
-        lo = len(self.events)
+        lo = self.end
         events.eid = torch.arange(lo, lo + len(events))
         if self.stream.idmap.kind != "int":
             raise ValueError("append: a stream of string ids cannot grow (follow int ids)")
         events.src, events.dst = self.stream.idmap.map_events(events.src, events.dst)
-        self.events = EventBatch.cat([self.events, events])
+        self.history_events.append(events)
         top = int(torch.maximum(events.src.max(), events.dst.max())) + 1
-        self.stream.events = self.events
         self.stream.num_nodes = max(self.stream.num_nodes, top)
-        self.schedule.add_increment(lo, len(self.events))
+        self.schedule.add_increment(lo, self.end)
+
+    def append_learned(self, lo: int, hi: int) -> None:
+        """An increment learned before the checkpoint a run resumes from: its bounds only (its
+        events are in the durable log, and old)."""
+        self.history_events.append_learned(lo, hi)
+        self.schedule.add_increment(lo, hi)
+
+    # the window and what is kept of old events (`EventHistory`)
+    events = property(lambda self: self.history_events.events)
+    base = property(lambda self: self.history_events.base)
+    end = property(lambda self: self.history_events.end)
+    reservoir = property(lambda self: self.history_events.reservoir)
+    tally = property(lambda self: self.history_events.tally)
+
+    def _events(self, lo: int, hi: int) -> EventBatch:
+        return self.history_events.read(lo, hi)
+
+    def _old_end(self) -> int:
+        """Where the block under way starts: the events before it are old."""
+        if not self.cursor.phase1_done:
+            return 0
+        if self.cursor.increment < len(self.bounds):
+            return self.bounds[self.cursor.increment][0]
+        return self.bounds[-1][1] if self.bounds else self.phase1_end
 
     def summary(self) -> dict:
         """Mean metrics over increments, and forgetting: first AP minus AP now, per increment.
@@ -378,8 +415,7 @@ class ContinualLearner:
         # gradient compression: the resolved `comm` settings and trainer 0's totals (bytes per
         # rank; every rank sends as much and decodes the same bits)
         out["comm"] = comm_record(self.config.comm, self.group.comm_state())
-        out["partition"] = self.group.report(self.events.src[: self.ingested],
-                                             self.events.dst[: self.ingested])  # fmt: skip
+        out["partition"] = self.group.partition(self.tally)
         if inc:
             for key in ("ap", "auc", "mrr", "old_ap"):
                 out[key] = sum(r[key] for r in inc) / len(inc)
@@ -418,6 +454,7 @@ class ContinualLearner:
             "rebatches": list(self.rebatches),
             "slot_precision": self.slot_precision,
             "idmap": self.stream.idmap.state_dict(),  # external -> dense node ids
+            "old_events": self.history_events.state_dict(),
             # the pass under way (not its progress bar; wall-clock stamps restart on load)
             "pass": {k: _resolved(v) for k, v in self.pass_state.items() if k != "bar"},
         }
@@ -434,6 +471,14 @@ class ContinualLearner:
             self.schedule.rebatch(unit, batch)
         if "idmap" in state:  # the checkpoint's map, bitwise (a rebuilt stream's is the same)
             self.stream.idmap = IdMap.from_state(state["idmap"])
+        if "old_events" in state:
+            self.history_events.load_state_dict(state["old_events"])
+        else:  # a checkpoint from before the reservoir: counted again from the events
+            blocks = [(0, self.phase1_end)] if self.cursor.phase1_done else []
+            blocks += list(self.bounds[: self.cursor.increment])
+            self.history_events.count_old(blocks, self.cursor.ingested, self.group.partitioner,
+                                          self.num_nodes)  # fmt: skip
+        self.history_events.forget()
         self.pass_state = dict(state.get("pass", {}))
         now = time.perf_counter()
         for key in ("t0", "t_pass", "t_train"):
@@ -456,13 +501,14 @@ class ContinualLearner:
         if end <= self.cursor.ingested:
             return
         lo = max(start, self.cursor.ingested)
-        ev = self.events.select(slice(lo, end))
+        ev = self._events(lo, end)
         if self.event_log is not None:  # durable before any shard sees it, in external ids
             self.event_log.append(self._external(ev), lo, end)
         if len(ev):
             top = int(torch.maximum(ev.src.max(), ev.dst.max())) + 1
             self.num_nodes = max(self.num_nodes, top)
         self.group.ingest(ev, self.num_nodes, span=(lo, end))
+        self.history_events.ingested(ev, self.group.partitioner, self.num_nodes)
         self.negatives.add(ev.dst)
         self.cursor.ingested = end
 
@@ -475,40 +521,6 @@ class ContinualLearner:
         out = ev.select(slice(None))
         out.src, out.dst = idmap.external(ev.src), idmap.external(ev.dst)
         return out
-
-    def _batches(self, start: int, end: int):
-        for lo, hi in batch_bounds(start, end, self.config.train.batch_size):
-            yield self.events.select(slice(lo, hi))
-
-    def train_pass(self, start: int, end: int, desc: str) -> tuple[float, float]:
-        """Train on events [start, end) outside the schedule (offline runs, benchmarks);
-        returns (events/s, mean loss)."""
-        bar = Progress(end - start, desc, self.config.progress)
-        losses = []
-        batches = [(ev, None, self.negatives.sample(len(ev), self.train_negatives), len(ev))
-                   for ev in self._batches(start, end)]  # fmt: skip
-        progress = steps_shown(lambda i: bar.update(len(batches[i][0])))
-        if self._whole_passes():
-            results = self.group.train_pass(batches, progress)
-        else:
-            results = [self.group.train_step(*b) for b in batches]
-        progress(len(batches))
-        for (ev, *_), loss in zip(batches, results, strict=True):
-            losses.append((loss, len(ev)))
-            self.cursor.step += 1
-        total = sum(_value(loss) * n for loss, n in losses)  # waits for pending steps
-        return bar.close(), total / max(end - start, 1)
-
-    def eval_pass(self, start: int, end: int, desc: str, observe: bool) -> dict:
-        bar = Progress(end - start, desc, self.config.progress)
-        pos, neg = [], []
-        for ev in self._batches(start, end):
-            p, n = self._eval_batch(ev, observe)
-            pos.append(p)
-            neg.append(n)
-            bar.update(len(ev))
-        bar.close()
-        return link_metrics(torch.cat(pos), torch.cat(neg))
 
     def _eval_events(self, ev: EventBatch) -> float:
         """AP on arbitrary (old) events without touching node state."""
@@ -528,13 +540,14 @@ class ContinualLearner:
         n = self.config.continual.forget_sample
         if n == 0 or end == 0:
             return float("nan")
-        pos = torch.randperm(end, generator=self.forget_gen)[:n].sort().values
-        return self._eval_events(self.events.select(pos))
+        pool = self.history_events.pool()  # events [0, end) while they fit, else a sample
+        pos = torch.randperm(len(pool), generator=self.forget_gen)[:n].sort().values
+        return self._eval_events(pool.select(pos))
 
     def _ap_on(self, start: int, end: int) -> float:
         n = self.config.continual.forget_sample or (end - start)
-        pos = start + torch.randperm(end - start, generator=self.forget_gen)[:n].sort().values
-        return self._eval_events(self.events.select(pos))
+        pos = torch.randperm(end - start, generator=self.forget_gen)[:n].sort().values
+        return self._eval_events(self._events(start, end).select(pos))
 
     def _log(self, record: dict) -> None:
         self.history.append(record)

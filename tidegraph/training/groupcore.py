@@ -123,7 +123,14 @@ class GroupCore:
         raise NotImplementedError
 
     def report(self, src: torch.Tensor, dst: torch.Tensor) -> dict:
-        """Partition quality over the events so far, and per-shard event counts."""
+        """Partition quality over events (src, dst), and per-shard event counts."""
         out = partition_report(src, dst, self.partitioner)
+        out["shard_events"] = self._shard_events()
+        return out
+
+    def partition(self, tally) -> dict:
+        """Partition quality of every event ingested (a `PartitionTally`), and per-shard
+        event counts."""
+        out = tally.report(self.partitioner)
         out["shard_events"] = self._shard_events()
         return out

@@ -14,9 +14,14 @@ import logging
 import time
 from pathlib import Path
 
+import torch
+
 from tidegraph.training.config import RunConfig
-from tidegraph.training.continual import ContinualLearner
+from tidegraph.training.continual import ContinualLearner, _value
 from tidegraph.training.data import Stream
+from tidegraph.training.metrics import link_metrics
+from tidegraph.training.progress import Progress, steps_shown
+from tidegraph.training.schedule import batch_bounds
 
 __all__ = ["run_offline"]
 
@@ -43,12 +48,12 @@ def _run(config: RunConfig, learner: ContinualLearner) -> dict:
     for epoch in range(config.train.epochs):
         learner.group.reset_state()
         t0 = time.perf_counter()
-        _, loss = learner.train_pass(0, train_end, f"offline epoch {epoch + 1}")
+        _, loss = train_pass(learner, 0, train_end, f"offline epoch {epoch + 1}")
         train_s = time.perf_counter() - t0
-        val = learner.eval_pass(train_end, val_end, f"offline val {epoch + 1}", observe=True)
+        val = eval_pass(learner, train_end, val_end, f"offline val {epoch + 1}", observe=True)
         epochs.append({"epoch": epoch + 1, "loss": loss, "train_s": train_s, **val})
         log.info("offline epoch %d: %.1f s, loss %.4f, val %s", epoch + 1, train_s, loss, val)
-    test = learner.eval_pass(val_end, n, "offline test", observe=True)
+    test = eval_pass(learner, val_end, n, "offline test", observe=True)
     out = {
         "model": config.model.name,
         "dataset": learner.stream.name,
@@ -63,3 +68,37 @@ def _run(config: RunConfig, learner: ContinualLearner) -> dict:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(out, indent=2))
     return out
+
+
+def _batches(learner: ContinualLearner, start: int, end: int):
+    for lo, hi in batch_bounds(start, end, learner.config.train.batch_size):
+        yield learner._events(lo, hi)
+
+
+def train_pass(learner: ContinualLearner, start: int, end: int, desc: str) -> tuple[float, float]:
+    """Train on events [start, end) outside the schedule; returns (events/s, mean loss)."""
+    bar = Progress(end - start, desc, learner.config.progress)
+    batches = [(ev, None, learner.negatives.sample(len(ev), learner.train_negatives), len(ev))
+               for ev in _batches(learner, start, end)]  # fmt: skip
+    progress = steps_shown(lambda i: bar.update(len(batches[i][0])))
+    group = learner.group
+    if group.runs_passes:
+        results = group.train_pass(batches, progress)
+    else:
+        results = [group.train_step(*b) for b in batches]
+    progress(len(batches))
+    learner.cursor.step += len(batches)
+    total = sum(_value(loss) * len(ev) for (ev, *_), loss in zip(batches, results, strict=True))
+    return bar.close(), total / max(end - start, 1)  # (total waited for pending steps)
+
+
+def eval_pass(learner: ContinualLearner, start: int, end: int, desc: str, observe: bool) -> dict:
+    bar = Progress(end - start, desc, learner.config.progress)
+    pos, neg = [], []
+    for ev in _batches(learner, start, end):
+        p, n = learner._eval_batch(ev, observe)
+        pos.append(p)
+        neg.append(n)
+        bar.update(len(ev))
+    bar.close()
+    return link_metrics(torch.cat(pos), torch.cat(neg))

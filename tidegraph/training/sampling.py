@@ -4,7 +4,8 @@ options of a trainer's neighbour requests.
 Generators live on the host so draws are identical on CPU and CUDA runs; results are moved to
 the training device by the caller.
 
-Replay policies pick `m` old events (positions in [0, end)) and a loss weight for each:
+Replay policies pick `m` old events (positions in a pool of old events: `ReplayReservoir`, a
+uniform sample of the history of bounded size) and a loss weight for each:
 - `UniformReplay` (GNNFlow): m distinct events uniformly, weight 1.
 - `ImportanceReplay` (in the spirit of SEA-ER, structure-evolution-aware experience replay):
   an old event's score is how much its endpoints' neighbourhoods changed in the latest
@@ -17,6 +18,8 @@ Replay policies pick `m` old events (positions in [0, end)) and a loss weight fo
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import torch
 
 from tidegraph.rng import load_generator_state
@@ -25,8 +28,10 @@ from tidegraph.storage.events import EventBatch
 __all__ = [
     "ImportanceReplay",
     "NegativeSampler",
+    "ReplayReservoir",
     "UniformReplay",
     "build_replay",
+    "node_degree",
     "sample_options",
 ]
 
@@ -55,16 +60,78 @@ class NegativeSampler:
         self.pool = state["pool"].to("cpu").clone()
 
 
+class ReplayReservoir:
+    """A uniform sample of at most `capacity` old events: Vitter's algorithm R, vectorized
+    (the k-th event seen, counting from 0, takes a uniformly drawn slot of the first k + 1
+    when that slot is below `capacity`; of a batch's events drawing the same slot, the later
+    one holds it). Until `capacity` events were added, slot i holds the i-th event added, so
+    replay over the reservoir draws what replay over the whole history would. Its events are
+    the driver's only copy of old events: replay and forgetting probes draw from it, and its
+    memory is bounded by `capacity` whatever the length of the run."""
+
+    def __init__(self, capacity: int, seed: int) -> None:
+        self.capacity = capacity
+        self.generator = torch.Generator().manual_seed(seed)
+        self.events: EventBatch | None = None
+        self.seen = 0  # events added so far
+
+    @property
+    def size(self) -> int:
+        return 0 if self.events is None else len(self.events)
+
+    def add(self, events: EventBatch) -> None:
+        """Events that became old (an increment, or phase 1, once learned), in stream order;
+        their labels, which learning does not use (and the log does not keep), are not kept."""
+        events = EventBatch(**{f.name: getattr(events, f.name) for f in fields(EventBatch)
+                               if f.name != "label"})  # fmt: skip
+        n = len(events)
+        room = min(n, self.capacity - self.size)
+        if room > 0:  # filling: appended in order (copied: the caller's tensors stay theirs)
+            head = events.select(slice(0, room))
+            self.events = EventBatch.cat([head] if self.events is None else [self.events, head])
+        if room < n:
+            k = self.seen + room + torch.arange(n - room, dtype=torch.float64)
+            u = torch.rand(n - room, generator=self.generator, dtype=torch.float64)
+            slot = (u * (k + 1)).floor().long()
+            taken = (slot < self.capacity).nonzero().squeeze(1)
+            slot = slot[taken]
+            order = torch.argsort(slot, stable=True)  # the same slot: the latest event wins
+            last = torch.ones(order.numel(), dtype=torch.bool)
+            last[:-1] = slot[order][1:] != slot[order][:-1]
+            which, where = room + taken[order[last]], slot[order[last]]
+            for f in fields(EventBatch):
+                mine = getattr(self.events, f.name)
+                if mine is not None:
+                    mine[where] = getattr(events, f.name)[which]
+        self.seen += n
+
+    def state_dict(self) -> dict:
+        ev = self.events
+        return {"capacity": self.capacity, "seen": self.seen,
+                "generator": self.generator.get_state(),
+                "events": None if ev is None else {f.name: getattr(ev, f.name)
+                                                   for f in fields(EventBatch)}}  # fmt: skip
+
+    def load_state_dict(self, state: dict) -> None:
+        self.capacity, self.seen = state["capacity"], state["seen"]
+        load_generator_state(self.generator, state["generator"], "replay reservoir")
+        ev = state["events"]
+        self.events = None if ev is None else EventBatch(
+            **{k: None if v is None else v.to("cpu").clone() for k, v in ev.items()})  # fmt: skip
+
+
 class UniformReplay:
-    """m distinct old events uniformly at random (all of them when m >= end)."""
+    """m distinct old events uniformly at random from `pool` (all of them when m >= its size)."""
 
     def __init__(self, seed: int) -> None:
         self.generator = torch.Generator().manual_seed(seed)
 
     def select(
-        self, events: EventBatch, end: int, increment: slice, m: int
+        self, pool: EventBatch, new: EventBatch, degree: torch.Tensor, m: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(positions [m'], weights [m']) of replayed events among events[:end]."""
+        """(positions in `pool` [m'], weights [m']) of replayed events; `new`: the latest
+        increment's events, `degree`: every node's events so far (both unused here)."""
+        end = len(pool)
         m = min(m, end)
         pos = torch.randperm(end, generator=self.generator)[:m]
         return pos, torch.ones(m, dtype=torch.float32)
@@ -83,25 +150,23 @@ class ImportanceReplay(UniformReplay):
         super().__init__(seed)
         self.floor = floor
 
-    def scores(self, events: EventBatch, end: int, increment: slice) -> torch.Tensor:
-        """s_e for events[:end] given the latest increment's events."""
-        src, dst = events.src[:end], events.dst[:end]
-        n_nodes = int(torch.maximum(events.src.max(), events.dst.max())) + 1
-        upto = increment.stop
-        deg = torch.bincount(
-            torch.cat([events.src[:upto], events.dst[:upto]]), minlength=n_nodes
-        ).double()
-        inc_nodes = torch.cat([events.src[increment], events.dst[increment]])
-        new = torch.bincount(inc_nodes, minlength=n_nodes).double()
-        change = new / deg.clamp(min=1)
-        return 0.5 * (change[src] + change[dst])
+    @staticmethod
+    def scores(pool: EventBatch, new: EventBatch, degree: torch.Tensor) -> torch.Tensor:
+        """s_e for the events of `pool` given the latest increment's events `new` and every
+        node's event count so far `degree` (`new` included)."""
+        n_nodes = degree.numel()
+        inc_nodes = torch.cat([new.src, new.dst])
+        changed = torch.bincount(inc_nodes, minlength=n_nodes).double()
+        change = changed / degree.double().clamp(min=1)
+        return 0.5 * (change[pool.src] + change[pool.dst])
 
     def select(
-        self, events: EventBatch, end: int, increment: slice, m: int
+        self, pool: EventBatch, new: EventBatch, degree: torch.Tensor, m: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        end = len(pool)
         if end == 0 or m == 0:
             return torch.empty(0, dtype=torch.int64), torch.empty(0)
-        s = self.scores(events, end, increment)
+        s = self.scores(pool, new, degree)
         total = float(s.sum())
         uniform = torch.full_like(s, 1.0 / end)
         p = uniform if total == 0 else (1 - self.floor) * s / total + self.floor * uniform
@@ -111,6 +176,15 @@ class ImportanceReplay(UniformReplay):
         pos = torch.searchsorted(cdf, u, right=True).clamp_(max=end - 1)
         weight = (1.0 / (end * p[pos])).float()
         return pos, weight
+
+
+def node_degree(degree: torch.Tensor, events: EventBatch, num_nodes: int) -> torch.Tensor:
+    """`degree` (events per node) with `events` counted, grown to `num_nodes` entries."""
+    counts = torch.bincount(torch.cat([events.src, events.dst]), minlength=num_nodes)
+    out = torch.zeros(max(counts.numel(), degree.numel()), dtype=torch.int64)
+    out[: degree.numel()] = degree
+    out[: counts.numel()] += counts
+    return out
 
 
 def build_replay(kind: str, seed: int, floor: float = 0.1) -> UniformReplay:

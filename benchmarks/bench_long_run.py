@@ -1,0 +1,194 @@
+"""A long followed run: what the driver holds, what checkpoints write and keep, per increment.
+
+A synthetic power-law stream (`common.power_law_stream`, drawn increment by increment from a
+seed per increment, times increasing) is handed to the orchestrator one increment at a time by
+an in-process source, as `--follow` hands it files; the run is on the Ray backend (2 shards,
+2 trainers by default), TGN with dims 16, with a run directory (event log, checkpoints after
+every increment, `--keep-checkpoints`). Per increment it records the driver's RSS (VmRSS),
+the seconds of ingest, evaluation, training and checkpoint, the bytes the checkpoint wrote
+(files new or changed under the run's checkpoints/ and updates/) and the bytes on disk there
+and in the whole run directory. It reads only files and the orchestrator's public steps, so
+an older commit is measured the same way (`--compare` in RESULTS.md).
+
+    python benchmarks/bench_long_run.py --increments 200 --events-per-increment 100000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+import ray  # noqa: E402
+import torch  # noqa: E402
+
+from tidegraph.orchestrator import Orchestrator, RunState  # noqa: E402
+from tidegraph.orchestrator.rundir import RunDir  # noqa: E402
+from tidegraph.runtime import set_determinism  # noqa: E402
+from tidegraph.storage.events import EventBatch  # noqa: E402
+from tidegraph.training import RunConfig  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import machine, power_law_stream, write_json  # noqa: E402
+
+
+class PowerLawSource:
+    """Increment k: `size` events of a power-law stream over `nodes` ids (seed k), at times
+    after increment k - 1's. The orchestrator's source interface (`tidegraph.storage.live`)."""
+
+    waiting_for = "synthetic increment"
+    path = "synthetic"
+
+    def __init__(self, increments: int, size: int, nodes: int) -> None:
+        self.increments, self.size, self.nodes, self.k = increments, size, nodes, 0
+
+    def next_events(self, timeout: float):
+        if self.k > self.increments:  # phase 1, then the increments
+            return None
+        src, dst, t = power_law_stream(self.size, self.nodes, seed=self.k)
+        self.k += 1
+        t = t + (self.k - 1) * self.size
+        return f"increment-{self.k - 1}", EventBatch(src, dst, t, torch.arange(self.size))
+
+    def state_dict(self) -> dict:
+        return {"kind": "synthetic", "k": self.k}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.k = state["k"]
+
+
+def config(args, storage: str) -> RunConfig:
+    return RunConfig.from_dict({
+        "model": {"name": "tgn", "dim": 16, "time_dim": 16, "memory_dim": 16},
+        "sampler": {"fanouts": [5]},
+        "train": {"batch_size": args.batch},
+        "continual": {"forget_sample": 200},
+        "cluster": {"backend": "ray", "shards": args.shards, "trainers": args.trainers},
+        "run_name": "long", "storage": storage, "out_dir": None, "progress": False,
+        "checkpoint_every": 1, **({"keep_checkpoints": args.keep} if args.keep else {}),
+    })  # fmt: skip
+
+
+def rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def files(root: Path) -> dict[str, tuple[int, int]]:
+    """path -> (size, mtime_ns) of every file under `root`."""
+    out = {}
+    for p in root.rglob("*"):
+        if p.is_file():
+            st = p.stat()
+            out[str(p)] = (st.st_size, st.st_mtime_ns)
+    return out
+
+
+def du(root: Path, sub: str = "") -> int:
+    """Bytes of the files under root/sub."""
+    return sum(size for size, _ in files(root / sub).values())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--increments", type=int, default=200)
+    p.add_argument("--events-per-increment", type=int, default=100_000)
+    p.add_argument("--nodes", type=int, default=500_000)
+    p.add_argument("--batch", type=int, default=1000)
+    p.add_argument("--shards", type=int, default=2)
+    p.add_argument("--trainers", type=int, default=2)
+    p.add_argument("--keep", type=int, default=0, help="--keep-checkpoints (0: the default)")
+    p.add_argument("--label", default="", help="names the output (e.g. a commit)")
+    args = p.parse_args()
+    set_determinism(0, threads=1)
+    ray.init(address="local", _node_ip_address="127.0.0.1", num_cpus=8,
+             include_dashboard=False, configure_logging=False)  # fmt: skip
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="tidegraph-long-") as storage:
+        run_path = Path(storage) / "long"
+        source = PowerLawSource(args.increments, args.events_per_increment, args.nodes)
+        orch = Orchestrator(config(args, storage), run_dir=RunDir(storage, "long"), source=source)
+        timing = {"ingest": 0.0, "checkpoint": 0.0}
+        wrapped = False
+        t_start = time.perf_counter()
+        try:
+            done = -1
+            for _ in range(10 * args.increments + 100):  # bounded
+                before = files(run_path / "checkpoints") | files(run_path / "updates")
+                t0 = time.perf_counter()
+                state = orch.step()
+                step_s = time.perf_counter() - t0
+                if state in (RunState.FINISHED, RunState.ERRORED):
+                    break
+                learner = orch.learner
+                if learner is not None and not wrapped:  # time ingest and checkpoints
+                    wrapped = True
+                    for obj, name, key in (
+                        (learner, "ingest", "ingest"),
+                        (orch.run_dir, "save_checkpoint", "checkpoint"),
+                    ):
+                        fn = getattr(obj, name)
+
+                        def timed(*a, _fn=fn, _key=key, **k):
+                            t = time.perf_counter()
+                            try:
+                                return _fn(*a, **k)
+                            finally:
+                                timing[_key] += time.perf_counter() - t
+
+                        setattr(obj, name, timed)  # fmt: skip
+                if learner is None or learner.cursor.increment == done or not learner.history:
+                    continue
+                record = learner.history[-1]
+                if record.get("phase") != "increment" or record["increment"] == done:
+                    continue
+                done = record["increment"]
+                after = files(run_path / "checkpoints") | files(run_path / "updates")
+                written = sum(size for path, (size, mt) in after.items()
+                              if before.get(path, (None, None))[1] != mt)  # fmt: skip
+                n = record["events"]
+                train_events = n + record["replayed"]
+                rows.append({
+                    "increment": done, "events_so_far": learner.cursor.ingested,
+                    "driver_rss_mb": rss_bytes() / 2**20,
+                    "step_s": step_s,
+                    "ingest_s": timing["ingest"], "checkpoint_s": timing["checkpoint"],
+                    "eval_s": n / record["eval_events_per_s"],
+                    "train_s": train_events / record["train_events_per_s"],
+                    "checkpoint_written_mb": written / 2**20,
+                    "checkpoints_on_disk_mb": du(run_path, "checkpoints") / 2**20,
+                    "run_dir_mb": du(run_path) / 2**20,
+                    "ap": record["ap"],
+                })  # fmt: skip
+                timing.update(ingest=0.0, checkpoint=0.0)
+                print(json.dumps({k: round(v, 3) if isinstance(v, float) else v
+                                  for k, v in rows[-1].items()}), flush=True)  # fmt: skip
+            if orch.error is not None:
+                raise orch.error
+        finally:
+            orch.close()
+            ray.shutdown()
+    tenth = max(1, len(rows) // 10)
+    first, last = rows[:tenth], rows[-tenth:]
+    mean = lambda rs, k: sum(r[k] for r in rs) / len(rs)  # noqa: E731
+    summary = {k: {"first_tenth": mean(first, k), "last_tenth": mean(last, k),
+                   "ratio": mean(last, k) / max(mean(first, k), 1e-9)}
+               for k in ("driver_rss_mb", "checkpoint_written_mb", "checkpoints_on_disk_mb",
+                         "step_s", "checkpoint_s")}  # fmt: skip
+    summary["wall_s"] = time.perf_counter() - t_start
+    print(json.dumps(summary, indent=1))
+    name = f"long_run_{args.increments}x{args.events_per_increment}{args.label}.json"
+    write_json(name, {"args": vars(args), "machine": machine(), "summary": summary,
+                      "rows": rows})  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""The driver holds no event history: old events live in the durable log, the shards and a
+bounded replay reservoir; a live run keeps only the block under way in memory and learns
+exactly as a run that keeps everything."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tidegraph.storage.eventlog import EventLog
+from tidegraph.storage.events import EventBatch
+from tidegraph.storage.partition import PartitionTally, build_partitioner, partition_report
+from tidegraph.training import ContinualLearner, RunConfig, load_stream
+from tidegraph.training.data import stream_of
+from tidegraph.training.sampling import ReplayReservoir
+
+sys.path.insert(0, str(Path(__file__).parent))
+from runstate import assert_same_state  # noqa: E402
+
+
+def _events(lo: int, hi: int) -> EventBatch:
+    pos = torch.arange(lo, hi)
+    feat = torch.sin(pos.float()).repeat(3, 1).T
+    return EventBatch(pos % 97, (pos * 7) % 89, pos.double(), pos, feat)
+
+
+def test_the_reservoir_holds_the_history_in_order_while_it_fits():
+    res = ReplayReservoir(1000, seed=1)
+    for lo in range(0, 1000, 300):
+        res.add(_events(lo, min(lo + 300, 1000)))
+    assert res.size == 1000 and torch.equal(res.events.eid, torch.arange(1000))
+    res.add(_events(1000, 1500))  # full: now a sample
+    assert res.size == 1000 and res.events.eid.unique().numel() == 1000
+    assert torch.equal(res.events.src, res.events.eid % 97)  # rows stay whole
+
+
+def test_the_reservoir_is_a_uniform_sample_and_resumes_bitwise():
+    n, cap, trials = 20_000, 1000, 300
+    kept = torch.zeros(10)
+    for seed in range(trials):
+        res = ReplayReservoir(cap, seed)
+        for lo in range(0, n, 700):
+            res.add(_events(lo, min(lo + 700, n)))
+        kept += torch.bincount(res.events.eid * 10 // n, minlength=10)
+    # every tenth of the stream is kept as often (binomial spread about 0.6 %)
+    assert ((kept / (trials * cap / 10) - 1).abs() < 0.03).all(), kept
+
+    a, b = ReplayReservoir(cap, 5), ReplayReservoir(cap, 0)
+    for lo in range(0, 5000, 700):
+        a.add(_events(lo, lo + 700))
+    b.load_state_dict(a.state_dict())
+    for r in (a, b):
+        r.add(_events(4900, 9000))
+    for x, y in zip(vars(a.events).values(), vars(b.events).values(), strict=True):
+        assert (x is None and y is None) or torch.equal(x, y)
+
+
+def test_the_partition_tally_equals_the_report_over_every_event():
+    wiki = load_stream("wikipedia", 3000).events
+    for kind in ("hash", "ldg"):
+        part, tally = build_partitioner(kind, 3), PartitionTally()
+        for lo in range(0, 3000, 700):
+            ev = wiki.select(slice(lo, lo + 700))
+            part.assign(ev.src, ev.dst)
+            tally.add(ev.src, ev.dst, part)
+        assert tally.report(part) == partition_report(wiki.src, wiki.dst, part)
+
+
+SMALL = {
+    "model": {"dim": 16, "time_dim": 8, "memory_dim": 16},
+    "train": {"batch_size": 100, "epochs": 1},
+    "continual": {"replay": "importance", "forget_sample": 200},
+    "out_dir": None,
+    "progress": False,
+}
+
+
+def _config(**continual) -> RunConfig:
+    raw = {**SMALL, "continual": {**SMALL["continual"], **continual}}
+    return RunConfig.from_dict(raw)
+
+
+def test_replay_draws_from_the_history_itself_while_it_fits():
+    """What replay and forgetting probes draw from, while the history fits the reservoir, is
+    the stream's events before the increment, bitwise: the draws of a learner that keeps
+    the whole history."""
+    wiki = load_stream("wikipedia", 3000)
+    learner = ContinualLearner(_config(num_increments=3), wiki)
+    seen = []
+    select = learner.replay.select
+
+    def watched(pool, new, degree, m):
+        seen.append((pool, new, degree))
+        return select(pool, new, degree, m)
+
+    learner.replay.select = watched
+    learner.run()
+    assert len(seen) == 3
+    ev = wiki.events
+    for (lo, hi), (pool, new, degree) in zip(learner.bounds, seen, strict=True):
+        assert pool.label is None  # labels are not kept (learning does not use them)
+        for name in ("src", "dst", "t", "eid", "edge_feat"):
+            want, got = getattr(ev, name), getattr(pool, name)
+            assert (want is None) == (got is None)
+            if want is not None:
+                assert torch.equal(got, want[:lo]) and torch.equal(getattr(new, name), want[lo:hi])
+        counts = torch.bincount(torch.cat([ev.src[:hi], ev.dst[:hi]]))
+        assert torch.equal(degree[: counts.numel()], counts) and not degree[counts.numel() :].any()
+
+
+@pytest.mark.parametrize("capacity", [400, 1_000_000])
+def test_a_live_run_with_a_log_holds_only_its_window_and_learns_as_one_that_keeps_all(
+    tmp_path, capacity
+):
+    """Increments appended to a live learner with a durable log: after each, the learner
+    holds only what it has not learned (old events come back from the log, for the final
+    forgetting of each increment), and it ends bitwise as a learner that kept every event in
+    memory: state, records and summary. 400: the reservoir evicts."""
+    wiki = load_stream("wikipedia", 3000)
+    cfg = _config(replay_capacity=capacity)
+    runs = {}
+    for name, log in (("log", EventLog(str(tmp_path / "run"))), ("memory", None)):
+        phase1 = stream_of(wiki.events.select(slice(0, 1200)), "wiki")
+        learner = ContinualLearner(cfg, phase1, event_log=log, live=True)
+        learner.run_phase1()
+        for lo in range(1200, 3000, 450):
+            learner.append(wiki.events.select(slice(lo, lo + 450)))
+            learner.step()
+            if log is not None:  # nothing held but the reservoir's sample of the history
+                assert len(learner.events) == 0 and learner.base == learner.end == lo + 450
+            else:
+                assert len(learner.events) == lo + 450
+        runs[name] = (learner, learner.summary())
+    (a, sa), (b, sb) = runs["log"], runs["memory"]
+    untimed = [[{k: v for k, v in r.items() if not k.endswith("_per_s")} for r in x.history]
+               for x in (a, b)]  # fmt: skip
+    assert sa == sb and untimed[0] == untimed[1]
+    assert_same_state(a.state_dict(), b.state_dict())
+    assert a.reservoir.size == min(capacity, 3000) and a.reservoir.seen == 3000

@@ -1,0 +1,117 @@
+"""What a learner holds of the stream's events, and where it reads the rest.
+
+`EventHistory` keeps the window (events [base, end) in memory: the block under way, phase 1
+or an increment, and what arrived after it) and, of the events before the block under way
+(old events), only bounded summaries:
+- a replay reservoir (`ReplayReservoir`, `continual.replay_capacity` events: all of them
+  while they fit, a uniform sample after) that replay and forgetting probes draw from;
+- every node's event count (importance replay) and the partition's counts (`PartitionTally`);
+old events themselves are read back from the durable event log (a lost shard's rebuild, the
+forgetting of each increment), mapped to dense ids through the stream's id map. A live run
+with a log drops old events from memory once learned (`forget`), so the driver's memory does
+not grow with the run; other runs keep their stream (a file, loaded whole) but read old
+events from the log all the same when they have one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from tidegraph.storage.events import EventBatch
+from tidegraph.storage.partition import PartitionTally
+from tidegraph.training.sampling import ReplayReservoir, node_degree
+
+__all__ = ["EventHistory"]
+
+
+class EventHistory:
+    def __init__(
+        self, stream, event_log, live: bool, capacity: int, seed: int, importance: bool,
+        old_end: Callable[[], int],
+    ) -> None:  # fmt: skip
+        """`old_end()`: where the block under way starts (the events before it are old)."""
+        self.stream, self.event_log, self.live = stream, event_log, live
+        self.events, self.base = stream.events, 0
+        self.old_end = old_end
+        self.importance = importance
+        self.reservoir = ReplayReservoir(capacity, seed)
+        self.degree = torch.zeros(0, dtype=torch.int64)
+        self.tally = PartitionTally()
+
+    @property
+    def end(self) -> int:
+        """One past the stream's last event so far."""
+        return self.base + len(self.events)
+
+    def read(self, lo: int, hi: int) -> EventBatch:
+        """Events [lo, hi): from the window, or, old events of a run with a durable log,
+        read back from the log."""
+        if lo >= self.old_end() or self.event_log is None:
+            if lo < self.base:
+                raise RuntimeError(f"events [{lo}, {hi}) are no longer held and no log has them")
+            return self.events.select(slice(lo - self.base, hi - self.base))
+        ev = self.event_log.read(lo, hi)
+        idmap = self.stream.idmap
+        if idmap.kind == "int" and idmap.mapped:  # the log holds external ids
+            ev.src, ev.dst = idmap.map_events(ev.src, ev.dst)
+        ev.t = ev.t.to(self.events.t.dtype)
+        if ev.edge_feat is not None and self.events.edge_feat is not None:
+            ev.edge_feat = ev.edge_feat.to(self.events.edge_feat.dtype)
+        return ev
+
+    def pool(self) -> EventBatch:
+        """The old events replay and forgetting probes draw from."""
+        pool = self.reservoir.events
+        return self.events.select(slice(0, 0)) if pool is None else pool
+
+    def ingested(self, ev: EventBatch, partitioner, num_nodes: int) -> None:
+        """Events just routed to the shards: counted per node and per partition."""
+        self.tally.add(ev.src, ev.dst, partitioner)
+        if self.importance:
+            self.degree = node_degree(self.degree, ev, num_nodes)
+
+    def learned(self, ev: EventBatch) -> None:
+        """A block's events, learned: old from now on."""
+        self.reservoir.add(ev)
+
+    def forget(self) -> None:
+        """A live run with a durable log drops the old events from memory (the log, the
+        shards and, a sample, the reservoir hold them)."""
+        lo = self.old_end()
+        if self.live and self.event_log is not None and lo > self.base:
+            self._window(self.events.select(slice(lo - self.base, None)), lo)
+
+    def append(self, events: EventBatch) -> None:
+        """Dense events [end, end + len) arrived (a live stream's next increment)."""
+        self.events = EventBatch.cat([self.events, events])
+        self.stream.events = self.events
+
+    def append_learned(self, lo: int, hi: int) -> None:
+        """Events [lo, hi), learned before the checkpoint a run resumes from: not held."""
+        if lo != self.end:
+            raise ValueError(f"append_learned: [{lo}, {hi}) does not follow event {self.end}")
+        self._window(self.events.select(slice(0, 0)), hi)
+
+    def _window(self, events: EventBatch, base: int) -> None:
+        self.events = EventBatch.cat([events])  # its own tensors: a slice keeps its storage
+        self.base = base
+        self.stream.events = self.events
+
+    def count_old(self, blocks: list, ingested: int, partitioner, num_nodes: int) -> None:
+        """The reservoir, degrees and partition counts of a checkpoint written before they
+        were kept: counted again from the learned `blocks` and the `ingested` events."""
+        for lo, hi in blocks:
+            self.learned(self.read(lo, hi))
+        if ingested:
+            self.ingested(self.read(0, ingested), partitioner, num_nodes)
+
+    def state_dict(self) -> dict:
+        return {"reservoir": self.reservoir.state_dict(), "degree": self.degree.clone(),
+                "tally": self.tally.state_dict()}  # fmt: skip
+
+    def load_state_dict(self, state: dict) -> None:
+        self.reservoir.load_state_dict(state["reservoir"])
+        self.degree = state["degree"].clone()
+        self.tally.load_state_dict(state["tally"])
