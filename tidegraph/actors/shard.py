@@ -20,6 +20,7 @@ import ray
 
 from tidegraph.actors.segments import SegmentPublisher
 from tidegraph.runtime import set_determinism
+from tidegraph.storage.checkpoint import CheckpointStore
 from tidegraph.training.shard import ShardCore
 
 __all__ = ["GraphShardActor", "PartHandle", "RemoteShard", "ShardHostActor"]
@@ -72,10 +73,16 @@ class _Host:
         for p, (args, kwargs) in parts.items():
             self.add_part(p, args, kwargs)
 
-    def add_part(self, p: int, args: tuple, kwargs: dict, state: dict | None = None) -> dict:
+    def add_part(
+        self, p: int, args: tuple, kwargs: dict, state: dict | None = None,
+        store: str | None = None,
+    ) -> dict:  # fmt: skip
         """Hold partition `p` from now on, with `state` (a copy of its shard's, taken at a
-        step boundary) or empty; its report."""
+        step boundary; with refs to the checkpoint store at `store`, read from there) or
+        empty; its report."""
         core = _Part(*args, **kwargs)
+        if state is not None and store is not None:
+            state = CheckpointStore.at(store).resolve(state)
         if state is not None:
             core.load_state_dict(state)
         self.cores[p] = core

@@ -244,7 +244,9 @@ class Orchestrator:
         """The group state of the newest checkpoint (a lost shard's snapshot), or None."""
         if self.run_dir.latest_name() is None:
             return None
-        return self.run_dir.load_checkpoint()["learner"]["group"]
+        store = self._actor_store()  # the actors read their partitions' state themselves
+        snap = self.run_dir.load_checkpoint(resolve=store is None)["learner"]["group"]
+        return {**snap, "store": store}
 
     def _open_update_log(self) -> None:
         """With `cluster.update_log_every`, trainer 0 logs training steps to the run
@@ -277,7 +279,8 @@ class Orchestrator:
         if self.run_dir is None:
             return
         learner = self.learner
-        state = {"learner": learner.state_dict(), "log_offset": learner.ingested,
+        # the shards and trainers write their bulk themselves where they reach the storage
+        state = {"learner": learner.state_dict(self._actor_store()), "log_offset": learner.ingested,
                  "config": self.config.to_dict(),
                  "source": None if self.source is None else self.source.state_dict()}  # fmt: skip
         if self.source is not None:  # the stream's layout, to rebuild it from the event log
@@ -289,6 +292,13 @@ class Orchestrator:
             store = self.run_dir.checkpoints
             oldest = min(store.meta(t).get("step", 0) for t in store.tags())
             drop_steps_before(f"{self.run_dir.path}/updates", oldest)
+
+    def _actor_store(self) -> str | None:
+        """The checkpoint store's URI when every actor reaches it (remote storage, or a local
+        one with every actor on this node), else None (the driver moves the state)."""
+        group = self.learner.group
+        reach = not self.run_dir.local or getattr(group, "on_driver_node", bool)()
+        return self.run_dir.checkpoint_uri if reach else None
 
     def _load_checkpoint(self) -> dict | None:
         """The newest checkpoint of the run being resumed (None: it has none yet); a followed

@@ -355,16 +355,28 @@ class RayGroup(
         nodes = ray.get([a.node_id.remote() for a in actors.values()])
         return dict(zip(actors, nodes, strict=True))
 
-    def state_dict(self) -> dict:
+    def state_dict(self, store: str | None = None) -> dict:
+        """Every piece's state; `store` (a checkpoint store's URI every actor reaches): each
+        shard and trainer writes its large tensors there and answers with refs, so the
+        driver never holds the graph or the model replicas."""
         self.drain()
+        method, args = ("state_dict", ()) if store is None else ("state_chunks", (store,))
         return {
             "journal_pos": self._cut_journal(),
             **self._common_state(),
             "ingests": list(self.ingests),
             "start_trainers": self.start_trainers,  # W0 of `cluster.scale_rule`
-            "shards": self._robust(lambda: ray.get([s.state_dict.remote() for s in self.shards])),
-            "trainers": self._all("state_dict"),
+            "shards": self._robust(
+                lambda: ray.get([getattr(s, method).remote(*args) for s in self.shards])
+            ),  # fmt: skip
+            "trainers": self._all(method, *args),
         }
+
+    def on_driver_node(self) -> bool:
+        """Whether every actor runs on the driver's node: no other node of the cluster is
+        alive (asked of the GCS, not of the actors, which may be lost)."""
+        here = ray.get_runtime_context().get_node_id()
+        return {n["NodeID"] for n in ray.nodes() if n["Alive"]} == {here}
 
     def load_state_dict(self, state: dict) -> None:
         self.drain()

@@ -49,6 +49,11 @@ class RunDir:
             raise ValueError(f"--resume: {self.path} holds no run to resume")
         self.local = isinstance(self.fs, pafs.LocalFileSystem)
         self.checkpoints = CheckpointStore(self.fs, f"{self.path}/checkpoints")
+        # the same store for other processes: an absolute path, or the URI with its options
+        base, _, options = storage.partition("?")
+        where = f"{base.rstrip('/')}/{run_name}/checkpoints" if "://" in base else (
+            f"{self.path}/checkpoints")  # fmt: skip
+        self.checkpoint_uri = where + (f"?{options}" if options else "")
         self.config: dict | None = None  # the run's configuration (checkpoints must match it)
 
     def _check_writable(self) -> None:
@@ -94,11 +99,11 @@ class RunDir:
     def latest_name(self) -> str | None:
         return self.checkpoints.latest()
 
-    def load_checkpoint(self, config: dict | None = None) -> dict:
+    def load_checkpoint(self, config: dict | None = None, resolve: bool = True) -> dict:
         """The newest checkpoint; refused (ValueError naming the fields) when the configuration
         that wrote it differs from `config` (default: the run's) in a field that matters."""
         tag = self.latest_name()
-        state = self.checkpoints.load(tag)
+        state = self.checkpoints.load(tag, resolve)
         if config is None and self.config is None and self._exists("config.yaml"):
             self.load_config()
         config = config if config is not None else self.config

@@ -94,7 +94,8 @@ class ShardRecovery:
         where = self._rebuild_hosts(lost)
         # each lost partition as the checkpoint holds it (or empty), then the later ingests
         ray.get([actor.add_part.remote(p, *self._part_args(p),
-                                       None if snap is None else snap["shards"][p])
+                                       *((None,) if snap is None else (snap["shards"][p],
+                                                                       snap.get("store"))))
                  for p, actor in where.items()])  # fmt: skip
         expected = dict.fromkeys(lost, 0)
         if snap is not None:

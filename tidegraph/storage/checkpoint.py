@@ -13,6 +13,10 @@ So:
 - a tensor costs its own bytes, never those of a larger storage it views (a parameter view of
   a flat buffer). `compact` gives the same for state sent between processes.
 
+The large tensors of a state may be written by the process that holds them (`put_state`: a
+shard actor its graph, a trainer its model), so a checkpoint's bulk never passes through the
+driver, which writes the manifest of the refs they return.
+
 Retention: `index.json` lists the checkpoints kept, oldest first, with the chunks each
 references. `save(state, tag, keep)` writes the new chunks, the manifest, the index and
 `latest` (naming the newest), then deletes the manifests of all but the newest `keep` and every
@@ -31,13 +35,24 @@ import hashlib
 import io
 import json
 import logging
+import os
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import pyarrow.fs as pafs
 import torch
 
-__all__ = ["CHUNK", "INLINE", "CheckpointStore", "TensorRef", "compact", "read_file", "write_file"]
+__all__ = [
+    "CHUNK",
+    "INLINE",
+    "CheckpointStore",
+    "TensorRef",
+    "compact",
+    "put_state",
+    "read_file",
+    "write_file",
+]
 
 log = logging.getLogger(__name__)
 
@@ -70,17 +85,13 @@ class CheckpointStore:
 
     # ---- writing ------------------------------------------------------------------------------
 
-    def save(self, state, tag: str, keep: int | None = None, meta: dict | None = None) -> None:
-        """Write `state` as checkpoint `tag` (replacing one of that tag), name it `latest`,
-        then keep the newest `keep` checkpoints (None: all). `meta`: a small JSON-able dict
-        kept in the index (`meta(tag)`), readable without loading the checkpoint."""
-        if keep is not None and keep < 1:
-            raise ValueError(f"CheckpointStore.save: keep must be >= 1, got {keep}")
+    def put(self, state):
+        """`state` with every tensor of `INLINE` bytes or more written as chunks (those the
+        store lacks) and replaced by its `TensorRef`; any process that reaches the store may
+        call it (an actor puts its own state, and the driver saves the refs it returns)."""
         have = {p.rsplit("/", 1)[-1] for p in self._list("blobs")}
-        written, refs = 0, set()
 
         def put(t: torch.Tensor) -> TensorRef:
-            nonlocal written
             data = _bytes(t)
             keys = []
             for a, b in _chunks(t, len(data)):
@@ -88,16 +99,27 @@ class CheckpointStore:
                 if key not in have:
                     self._write(f"blobs/{key}", data[a:b])
                     have.add(key)
-                    written += b - a
+                    self.last_written += b - a
                 keys.append(key)
-            refs.update(keys)
             return TensorRef(str(t.dtype).removeprefix("torch."), tuple(t.shape), str(t.device),
                              tuple(keys))  # fmt: skip
 
+        return _map(state, lambda t: put(t) if _chunked(t) else _own(t))
+
+    def save(self, state, tag: str, keep: int | None = None, meta: dict | None = None) -> None:
+        """Write `state` (tensors, or refs `put` returned) as checkpoint `tag` (replacing one
+        of that tag), name it `latest`, then keep the newest `keep` checkpoints (None: all).
+        `meta`: a small JSON-able dict kept in the index (`meta(tag)`)."""
+        if keep is not None and keep < 1:
+            raise ValueError(f"CheckpointStore.save: keep must be >= 1, got {keep}")
+        self.last_written = 0
+        tree = self.put(state)
+        refs: set[str] = set()
+        _map(tree, None, lambda r: refs.update(r.chunks))
         manifest = io.BytesIO()
-        torch.save(_map(state, lambda t: put(t) if _chunked(t) else _own(t)), manifest)
+        torch.save(tree, manifest)
         self._write(f"{tag}.pt", manifest.getbuffer())
-        self.last_written = written + manifest.getbuffer().nbytes
+        self.last_written += manifest.getbuffer().nbytes
 
         index = self._index()
         order = [x for x in index["order"] if x != tag] + [tag]
@@ -139,12 +161,17 @@ class CheckpointStore:
         """What `save` was given as `meta` for checkpoint `tag` ({} if nothing)."""
         return self._index().get("meta", {}).get(tag, {})
 
-    def load(self, tag: str | None = None):
-        """Checkpoint `tag` (default: the newest), every tensor as it was saved."""
+    def load(self, tag: str | None = None, resolve: bool = True):
+        """Checkpoint `tag` (default: the newest), every tensor as it was saved (`resolve`
+        False: large ones as refs, for `resolve` where they are needed)."""
         tag = tag or self.latest()
         if tag is None:
             raise FileNotFoundError(f"{self.path}: no checkpoint")
         state = torch.load(io.BytesIO(self._read(f"{tag}.pt")), weights_only=False)
+        return self.resolve(state) if resolve else state
+
+    def resolve(self, state):
+        """`state` with its refs read back as tensors."""
         return _map(state, None, self._tensor)
 
     def _tensor(self, ref: TensorRef) -> torch.Tensor:
@@ -190,9 +217,9 @@ class CheckpointStore:
 
 def write_file(fs: pafs.FileSystem, path: str, data) -> None:
     """`data` (bytes or a buffer) as file `path`, whole or not at all: written to a temporary
-    name, then moved into place (its directory made if missing)."""
+    name of this writer's own, then moved into place (its directory made if missing)."""
     fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
-    tmp = f"{path}.tmp"
+    tmp = f"{path}.{os.getpid()}-{threading.get_ident()}.tmp"
     with fs.open_output_stream(tmp) as out:
         out.write(data)
     fs.move(tmp, path)
@@ -201,6 +228,11 @@ def write_file(fs: pafs.FileSystem, path: str, data) -> None:
 def read_file(fs: pafs.FileSystem, path: str) -> bytes:
     with fs.open_input_stream(path) as f:
         return f.read()
+
+
+def put_state(uri: str, state):
+    """`CheckpointStore.at(uri).put(state)`: what an actor returns for a checkpoint."""
+    return CheckpointStore.at(uri).put(state)
 
 
 def compact(state):

@@ -435,9 +435,12 @@ class ContinualLearner:
 
     # ---- state ----------------------------------------------------------------------------
 
-    def state_dict(self) -> dict:
-        """{"orchestrator": ..., "group": {"partitioner", "shards", "trainers"}}."""
-        return {"orchestrator": self.orchestrator_state(), "group": self.group.state_dict()}
+    def state_dict(self, store: str | None = None) -> dict:
+        """{"orchestrator": ..., "group": {"partitioner", "shards", "trainers"}}; `store`: a
+        checkpoint store the group's pieces write their large tensors to (refs in their
+        place), where they can."""
+        group = self.group.state_dict() if store is None else self.group.state_dict(store)
+        return {"orchestrator": self.orchestrator_state(), "group": group}
 
     def load_state_dict(self, state: dict) -> None:
         self.group.load_state_dict(state["group"])

@@ -268,7 +268,9 @@ class LocalGroup(GroupCore):
 
     # ---- state --------------------------------------------------------------------------------
 
-    def state_dict(self) -> dict:
+    def state_dict(self, store: str | None = None) -> dict:
+        """Every piece's state (`store`: unused; in one process the checkpoint store takes
+        the tensors from here)."""
         return {
             **self._common_state(),
             "shards": [s.state_dict() for s in self.shards],

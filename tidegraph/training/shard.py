@@ -26,6 +26,7 @@ import torch
 from tidegraph.comm.quantize import quantize_rows
 from tidegraph.sampling.block import Block
 from tidegraph.sampling.sampler import TemporalSampler
+from tidegraph.storage.checkpoint import put_state
 from tidegraph.storage.events import EventBatch
 from tidegraph.storage.features import EncodedRows, HostFeatureStore, decode, encode
 from tidegraph.storage.graph import DynamicGraph
@@ -230,6 +231,11 @@ class ShardCore:
         }
 
     # ---- state ------------------------------------------------------------------------------
+
+    def state_chunks(self, store: str) -> dict:
+        """`state_dict()` with its large tensors written to the checkpoint store at `store`
+        and refs in their place: a checkpoint's bulk written where it is held."""
+        return put_state(store, self.state_dict())
 
     def state_dict(self) -> dict:
         return {

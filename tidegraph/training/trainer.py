@@ -28,7 +28,7 @@ from tidegraph.models.base import TemporalModel, link_roots
 from tidegraph.models.config import build_model
 from tidegraph.sampling.keyed import step_key
 from tidegraph.storage.cache import CachedFeatureStore
-from tidegraph.storage.checkpoint import compact
+from tidegraph.storage.checkpoint import compact, put_state
 from tidegraph.storage.events import EventBatch
 from tidegraph.training.fetch import flat_blocks, join_edge_features
 from tidegraph.training.optim import FlatAdam
@@ -373,6 +373,11 @@ class TrainerCore:
         return {k: v for k, v in state.items() if k not in scratch}
 
     # ---- state ------------------------------------------------------------------------------
+
+    def state_chunks(self, store: str) -> dict:
+        """`state_dict()` with its large tensors written to the checkpoint store at `store`
+        and refs in their place: a checkpoint's bulk written where it is held."""
+        return put_state(store, self.state_dict())
 
     def state_dict(self) -> dict:
         cache = self.edge_cache
