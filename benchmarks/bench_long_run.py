@@ -4,7 +4,8 @@ A synthetic power-law stream (`common.power_law_stream`, drawn increment by incr
 seed per increment, times increasing) is handed to the orchestrator one increment at a time by
 an in-process source, as `--follow` hands it files; the run is on the Ray backend (2 shards,
 2 trainers by default), TGN with dims 16, with a run directory (event log, checkpoints after
-every increment, `--keep-checkpoints`). Per increment it records the driver's RSS (VmRSS),
+every increment, `--keep-checkpoints`). Per increment it records the driver's RSS (VmRSS, and
+its private part RssAnon apart from the object store's shared pages it maps),
 the seconds of ingest, evaluation, training and checkpoint, the bytes the checkpoint wrote
 (files new or changed under the run's checkpoints/ and updates/) and the bytes on disk there
 and in the whole run directory. It reads only files and the orchestrator's public steps, so
@@ -75,9 +76,11 @@ def config(args, storage: str) -> RunConfig:
     })  # fmt: skip
 
 
-def rss_bytes() -> int:
+def rss_bytes(field: str = "VmRSS") -> int:
+    """The driver's resident memory (`VmRSS`), or one part of it: `RssAnon` (its own heap,
+    without the pages of Ray's shared-memory object store it has mapped: `RssShmem`)."""
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1]) * 1024
     return 0
 
@@ -159,6 +162,8 @@ def main() -> None:
                 rows.append({
                     "increment": done, "events_so_far": learner.cursor.ingested,
                     "driver_rss_mb": rss_bytes() / 2**20,
+                    "driver_anon_mb": rss_bytes("RssAnon") / 2**20,
+                    "driver_shmem_mb": rss_bytes("RssShmem") / 2**20,
                     "step_s": step_s,
                     "ingest_s": timing["ingest"], "checkpoint_s": timing["checkpoint"],
                     "eval_s": n / record["eval_events_per_s"],
@@ -181,8 +186,8 @@ def main() -> None:
     mean = lambda rs, k: sum(r[k] for r in rs) / len(rs)  # noqa: E731
     summary = {k: {"first_tenth": mean(first, k), "last_tenth": mean(last, k),
                    "ratio": mean(last, k) / max(mean(first, k), 1e-9)}
-               for k in ("driver_rss_mb", "checkpoint_written_mb", "checkpoints_on_disk_mb",
-                         "step_s", "checkpoint_s")}  # fmt: skip
+               for k in ("driver_rss_mb", "driver_anon_mb", "checkpoint_written_mb",
+                         "checkpoints_on_disk_mb", "step_s", "checkpoint_s")}  # fmt: skip
     summary["wall_s"] = time.perf_counter() - t_start
     print(json.dumps(summary, indent=1))
     name = f"long_run_{args.increments}x{args.events_per_increment}{args.label}.json"
