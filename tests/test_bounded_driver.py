@@ -101,8 +101,9 @@ def test_replay_draws_from_the_history_itself_while_it_fits():
     assert len(seen) == 3
     ev = wiki.events
     for (lo, hi), (pool, new, degree) in zip(learner.bounds, seen, strict=True):
-        assert pool.label is None  # labels are not kept (learning does not use them)
-        for name in ("src", "dst", "t", "eid", "edge_feat"):
+        # which events only: features are read by eid from the shards, labels are unused
+        assert pool.label is None and pool.edge_feat is None
+        for name in ("src", "dst", "t", "eid"):
             want, got = getattr(ev, name), getattr(pool, name)
             assert (want is None) == (got is None)
             if want is not None:
@@ -111,23 +112,28 @@ def test_replay_draws_from_the_history_itself_while_it_fits():
         assert torch.equal(degree[: counts.numel()], counts) and not degree[counts.numel() :].any()
 
 
-@pytest.mark.parametrize("capacity", [400, 1_000_000])
+@pytest.mark.parametrize(("capacity", "sparse"), [(400, False), (1_000_000, True)])
 def test_a_live_run_with_a_log_holds_only_its_window_and_learns_as_one_that_keeps_all(
-    tmp_path, capacity
+    tmp_path, capacity, sparse
 ):
     """Increments appended to a live learner with a durable log: after each, the learner
     holds only what it has not learned (old events come back from the log, for the final
     forgetting of each increment), and it ends bitwise as a learner that kept every event in
-    memory: state, records and summary. 400: the reservoir evicts."""
+    memory: state, records and summary. 400: the reservoir evicts; `sparse`: external ids
+    far apart, so events read back from the log map through the id map."""
     wiki = load_stream("wikipedia", 3000)
+    events = wiki.events.select(slice(None))
+    if sparse:
+        events.src, events.dst = events.src * 1_000_003 + 7, events.dst * 1_000_003 + 7
     cfg = _config(replay_capacity=capacity)
     runs = {}
     for name, log in (("log", EventLog(str(tmp_path / "run"))), ("memory", None)):
-        phase1 = stream_of(wiki.events.select(slice(0, 1200)), "wiki")
+        phase1 = stream_of(events.select(slice(0, 1200)), "wiki")
         learner = ContinualLearner(cfg, phase1, event_log=log, live=True)
+        assert learner.stream.idmap.mapped == (len(learner.stream.idmap) if sparse else 0)
         learner.run_phase1()
         for lo in range(1200, 3000, 450):
-            learner.append(wiki.events.select(slice(lo, lo + 450)))
+            learner.append(events.select(slice(lo, lo + 450)))
             learner.step()
             if log is not None:  # nothing held but the reservoir's sample of the history
                 assert len(learner.events) == 0 and learner.base == learner.end == lo + 450

@@ -140,30 +140,52 @@ def test_compact_gives_views_their_own_storage():
 KILLED_WRITER = """
 import sys, time
 import torch
-from tidegraph.storage import checkpoint
 from tidegraph.storage.checkpoint import CheckpointStore
 
-store = CheckpointStore.at(sys.argv[1])
+store, where = CheckpointStore.at(sys.argv[1]), sys.argv[2]
 store.save({"x": torch.full((300_000,), 1.0), "y": torch.arange(100_000)}, "first", keep=1)
 write = CheckpointStore._write
+FILES = {"chunk": "blobs/", "manifest": "second.pt", "index": "index.json", "latest": "latest"}
+
+def stop():
+    print("writing", flush=True)
+    time.sleep(60)
 
 def slow_write(self, name, data):
-    if name.startswith("blobs/"):  # half a chunk in its temporary file, then wait to be killed
-        with self.fs.open_output_stream(f"{self.path}/{name}.tmp") as out:
+    if where in FILES and name.startswith(FILES[where]):  # half of it in a temporary file
+        with self.fs.open_output_stream(f"{self.path}/{name}.half.tmp") as out:
             out.write(bytes(data)[: len(data) // 2])
-        print("writing", flush=True)
-        time.sleep(60)
+        stop()
     write(self, name, data)
 
+def slow_prune(self, kept, referenced):  # retention under way: one file deleted, then killed
+    self.fs.delete_file(f"{self.path}/first.pt")
+    stop()
+
 CheckpointStore._write = slow_write
+if where == "prune":
+    CheckpointStore._prune = slow_prune
 store.save({"x": torch.full((300_000,), 2.0), "y": torch.arange(100_000)}, "second", keep=1)
 """
 
 
-def test_a_kill_in_the_middle_of_a_write_leaves_the_previous_checkpoint_loadable(tmp_path):
+def _state(value: float) -> dict:
+    return {"x": torch.full((300_000,), value), "y": torch.arange(100_000)}
+
+
+# where the writer is killed -> the checkpoint `latest` names after the kill
+KILLED_AT = {"chunk": "first", "manifest": "first", "index": "first", "latest": "first",
+             "prune": "second"}  # fmt: skip
+
+
+@pytest.mark.parametrize("where", sorted(KILLED_AT))
+def test_a_kill_anywhere_in_a_write_leaves_the_newest_whole_checkpoint_loadable(tmp_path, where):
+    """SIGKILL while a chunk, the manifest, the index or `latest` is half written, or while
+    retention deletes: `latest` names a checkpoint that loads whole, and the next save
+    clears what the kill left."""
     path = tmp_path / "ckpt"
-    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(KILLED_WRITER), str(path)],
-                            stdout=subprocess.PIPE, text=True, start_new_session=True,
+    cmd = [sys.executable, "-c", textwrap.dedent(KILLED_WRITER), str(path), where]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True,
                             cwd=Path(__file__).parents[1])  # fmt: skip
     try:
         assert proc.stdout.readline().strip() == "writing"
@@ -171,16 +193,17 @@ def test_a_kill_in_the_middle_of_a_write_leaves_the_previous_checkpoint_loadable
     finally:
         proc.kill()
         proc.wait(timeout=30)
-    assert any(name.endswith(".tmp") for name in _files(path))  # killed mid-write
+    if where != "prune":
+        assert any(name.endswith(".tmp") for name in _files(path))  # killed mid-write
     store = CheckpointStore.at(str(path))
-    assert store.latest() == "first"
-    back = store.load()
-    _same(back, {"x": torch.full((300_000,), 1.0), "y": torch.arange(100_000)})
+    want = KILLED_AT[where]
+    assert store.latest() == want
+    _same(store.load(), _state({"first": 1.0, "second": 2.0}[want]))
     # the next save clears what the kill left: temporary files, chunks nobody references
-    store.save({"x": torch.full((300_000,), 3.0), "y": torch.arange(100_000)}, "third", keep=1)
+    store.save(_state(3.0), "third", keep=1)
     files = _files(path)
     assert not any(name.endswith(".tmp") for name in files)
     assert sorted(n for n in files if not n.startswith("blobs/")) == [
         "index.json", "latest", "third.pt"]  # fmt: skip
     assert len([n for n in files if n.startswith("blobs/")]) == 2  # x's and y's chunks
-    _same(store.load(), {"x": torch.full((300_000,), 3.0), "y": torch.arange(100_000)})
+    _same(store.load(), _state(3.0))

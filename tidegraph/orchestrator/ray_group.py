@@ -369,8 +369,22 @@ class RayGroup(
             "shards": self._robust(
                 lambda: ray.get([getattr(s, method).remote(*args) for s in self.shards])
             ),  # fmt: skip
-            "trainers": self._all(method, *args),
+            "trainers": self._trainer_states(store),
         }
+
+    def _trainer_states(self, store: str | None) -> list:
+        """Every trainer's state; with a store, trainer 0 puts its chunks first, so the
+        others find the replicas' shared ones written and write only what is theirs."""
+        if store is None:
+            return self._all("state_dict")
+        self._flush()
+
+        def get() -> list:
+            first = ray.get(self.trainers[0].call.remote("state_chunks", store))
+            rest = [t.call.remote("state_chunks", store) for t in self.trainers[1:]]
+            return [first, *ray.get(rest)]
+
+        return self._robust(get)
 
     def on_driver_node(self) -> bool:
         """Whether every actor runs on the driver's node: no other node of the cluster is

@@ -35,8 +35,7 @@ import hashlib
 import io
 import json
 import logging
-import os
-import threading
+import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -116,6 +115,12 @@ class CheckpointStore:
         tree = self.put(state)
         refs: set[str] = set()
         _map(tree, None, lambda r: refs.update(r.chunks))
+        missing = refs - {p.rsplit("/", 1)[-1] for p in self._list("blobs")}
+        if missing:  # a writer that could not reach this store: refuse, keep the last one
+            raise RuntimeError(
+                f"checkpoint {tag}: {len(missing)} chunks it references are not "
+                f"in {self.path}/blobs (written where this process cannot see)"
+            )
         manifest = io.BytesIO()
         torch.save(tree, manifest)
         self._write(f"{tag}.pt", manifest.getbuffer())
@@ -197,8 +202,10 @@ class CheckpointStore:
         if self._exists("index.json"):
             return json.loads(self._read("index.json"))
         infos = self.fs.get_file_info(pafs.FileSelector(self.path, allow_not_found=True))
-        old = sorted((i.mtime_ns, i.base_name[:-3]) for i in infos if i.base_name.endswith(".pt"))
-        return {"order": [tag for _, tag in old], "blobs": {}, "meta": {}}
+        latest = self.latest()  # on equal times (coarse clocks) the one `latest` names is newest
+        old = sorted((i.mtime_ns, i.base_name[:-3] == latest, i.base_name[:-3])
+                     for i in infos if i.base_name.endswith(".pt"))  # fmt: skip
+        return {"order": [tag for *_, tag in old], "blobs": {}, "meta": {}}
 
     def _list(self, sub: str) -> list[str]:
         where = f"{self.path}/{sub}".rstrip("/")
@@ -219,7 +226,7 @@ def write_file(fs: pafs.FileSystem, path: str, data) -> None:
     """`data` (bytes or a buffer) as file `path`, whole or not at all: written to a temporary
     name of this writer's own, then moved into place (its directory made if missing)."""
     fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
-    tmp = f"{path}.{os.getpid()}-{threading.get_ident()}.tmp"
+    tmp = f"{path}.{uuid.uuid4().hex}.tmp"
     with fs.open_output_stream(tmp) as out:
         out.write(data)
     fs.move(tmp, path)

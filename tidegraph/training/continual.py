@@ -240,8 +240,9 @@ class ContinualLearner:
         if u.increment >= 0:  # retraining: the batch plus its share of the epoch's replay
             part = ps["replay_parts"][u.part]
             rep = self.history_events.pool().select(ps["replay_pos"][part])
-            if rep.label is None:  # the reservoir keeps no labels (unused by learning)
-                ev.label = None
+            # the reservoir keeps no labels nor features: trainers read features by eid
+            ev.edge_feat = None if rep.edge_feat is None else ev.edge_feat
+            ev.label = None if rep.label is None else ev.label
             weight = torch.cat([torch.ones(len(ev)), ps["replay_weight"][part]])
             ev = EventBatch.cat([ev, rep])
         return ev, weight, self.negatives.sample(len(ev), self.train_negatives), n_new

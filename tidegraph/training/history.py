@@ -10,7 +10,8 @@ old events themselves are read back from the durable event log (a lost shard's r
 forgetting of each increment), mapped to dense ids through the stream's id map. A live run
 with a log drops old events from memory once learned (`forget`), so the driver's memory does
 not grow with the run; other runs keep their stream (a file, loaded whole) but read old
-events from the log all the same when they have one.
+events from the log all the same when they have one. The caller's `Stream` is not changed
+(a restart builds its learner from it again).
 """
 
 from __future__ import annotations
@@ -86,7 +87,6 @@ class EventHistory:
     def append(self, events: EventBatch) -> None:
         """Dense events [end, end + len) arrived (a live stream's next increment)."""
         self.events = EventBatch.cat([self.events, events])
-        self.stream.events = self.events
 
     def append_learned(self, lo: int, hi: int) -> None:
         """Events [lo, hi), learned before the checkpoint a run resumes from: not held."""
@@ -97,15 +97,16 @@ class EventHistory:
     def _window(self, events: EventBatch, base: int) -> None:
         self.events = EventBatch.cat([events])  # its own tensors: a slice keeps its storage
         self.base = base
-        self.stream.events = self.events
 
     def count_old(self, blocks: list, ingested: int, partitioner, num_nodes: int) -> None:
         """The reservoir, degrees and partition counts of a checkpoint written before they
         were kept: counted again from the learned `blocks` and the `ingested` events."""
         for lo, hi in blocks:
             self.learned(self.read(lo, hi))
-        if ingested:
-            self.ingested(self.read(0, ingested), partitioner, num_nodes)
+        done = blocks[-1][1] if blocks else 0
+        for lo, hi in [*blocks, (done, ingested)]:  # block by block: bounded reads
+            if hi > lo:
+                self.ingested(self.read(lo, hi), partitioner, num_nodes)
 
     def state_dict(self) -> dict:
         return {"reservoir": self.reservoir.state_dict(), "degree": self.degree.clone(),

@@ -67,7 +67,7 @@ class ReplayReservoir:
     one holds it). Until `capacity` events were added, slot i holds the i-th event added, so
     replay over the reservoir draws what replay over the whole history would. Its events are
     the driver's only copy of old events: replay and forgetting probes draw from it, and its
-    memory is bounded by `capacity` whatever the length of the run."""
+    memory is bounded by `capacity` (32 bytes an event) whatever the length of the run."""
 
     def __init__(self, capacity: int, seed: int) -> None:
         self.capacity = capacity
@@ -80,10 +80,10 @@ class ReplayReservoir:
         return 0 if self.events is None else len(self.events)
 
     def add(self, events: EventBatch) -> None:
-        """Events that became old (an increment, or phase 1, once learned), in stream order;
-        their labels, which learning does not use (and the log does not keep), are not kept."""
-        events = EventBatch(**{f.name: getattr(events, f.name) for f in fields(EventBatch)
-                               if f.name != "label"})  # fmt: skip
+        """Events that became old (an increment, or phase 1, once learned), in stream order:
+        which events (src, dst, t, eid) only. Their edge features are read by eid from the
+        shards' feature stores, as every batch's are; labels are not used by learning."""
+        events = EventBatch(events.src, events.dst, events.t, events.eid)
         n = len(events)
         room = min(n, self.capacity - self.size)
         if room > 0:  # filling: appended in order (copied: the caller's tensors stay theirs)
