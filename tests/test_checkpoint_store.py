@@ -158,7 +158,7 @@ def slow_write(self, name, data):
         stop()
     write(self, name, data)
 
-def slow_prune(self, kept, referenced):  # retention under way: one file deleted, then killed
+def slow_prune(self, *args):  # retention under way: one file deleted, then killed
     self.fs.delete_file(f"{self.path}/first.pt")
     stop()
 

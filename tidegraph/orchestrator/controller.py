@@ -289,15 +289,13 @@ class Orchestrator:
         step = learner.cursor.step
         self.run_dir.save_checkpoint(state, tag, self.config.keep_checkpoints, {"step": step})
         if self.run_dir.local:  # the update log's steps before every kept checkpoint go
-            store = self.run_dir.checkpoints
-            oldest = min(store.meta(t).get("step", 0) for t in store.tags())
+            oldest = min(m.get("step", 0) for m in self.run_dir.checkpoints.kept_meta())
             drop_steps_before(f"{self.run_dir.path}/updates", oldest)
 
     def _actor_store(self) -> str | None:
         """The checkpoint store's URI when every actor reaches it (remote storage, or a local
         one with every actor on this node), else None (the driver moves the state)."""
-        group = self.learner.group
-        reach = not self.run_dir.local or getattr(group, "on_driver_node", bool)()
+        reach = not self.run_dir.local or self.learner.group.on_driver_node()
         return self.run_dir.checkpoint_uri if reach else None
 
     def _load_checkpoint(self) -> dict | None:

@@ -88,7 +88,14 @@ class CheckpointStore:
         """`state` with every tensor of `INLINE` bytes or more written as chunks (those the
         store lacks) and replaced by its `TensorRef`; any process that reaches the store may
         call it (an actor puts its own state, and the driver saves the refs it returns)."""
-        have = {p.rsplit("/", 1)[-1] for p in self._list("blobs")}
+        return self._put(state, self._blobs())
+
+    def _blobs(self) -> set[str]:
+        """Names of the files in blobs/ (one listing)."""
+        return {p.rsplit("/", 1)[-1] for p in self._list("blobs")}
+
+    def _put(self, state, have: set[str]):
+        """`put`, with `have` the chunks the store holds (the new ones are added to it)."""
 
         def put(t: torch.Tensor) -> TensorRef:
             data = _bytes(t)
@@ -112,10 +119,11 @@ class CheckpointStore:
         if keep is not None and keep < 1:
             raise ValueError(f"CheckpointStore.save: keep must be >= 1, got {keep}")
         self.last_written = 0
-        tree = self.put(state)
+        have = self._blobs()  # listed after the actors put theirs: all this save can see
+        tree = self._put(state, have)
         refs: set[str] = set()
         _map(tree, None, lambda r: refs.update(r.chunks))
-        missing = refs - {p.rsplit("/", 1)[-1] for p in self._list("blobs")}
+        missing = refs - have
         if missing:  # a writer that could not reach this store: refuse, keep the last one
             raise RuntimeError(
                 f"checkpoint {tag}: {len(missing)} chunks it references are not "
@@ -135,20 +143,18 @@ class CheckpointStore:
             "order": kept, **{part: {x: index[part][x] for x in kept if x in index[part]}
                               for part in ("blobs", "meta")}}).encode())  # fmt: skip
         self._write("latest", tag.encode())
-        self._prune(set(kept), {k for x in kept for k in index["blobs"].get(x, ())})
+        self._prune(set(kept), {k for x in kept for k in index["blobs"].get(x, ())}, have)
         log.info("checkpoint %s: %d new bytes written, %d kept", tag, self.last_written, len(kept))
 
-    def _prune(self, kept: set[str], referenced: set[str]) -> None:
-        """Delete manifests not kept, chunks not referenced and temporary files (`latest`
-        names a kept checkpoint when this runs)."""
+    def _prune(self, kept: set[str], referenced: set[str], blobs: set[str]) -> None:
+        """Delete manifests not kept, and of `blobs` (the files in blobs/) the chunks not
+        referenced and temporary files (`latest` names a kept checkpoint when this runs)."""
         for path in self._list(""):
             name = path.rsplit("/", 1)[-1]
             if name.endswith(".tmp") or (name.endswith(".pt") and name[:-3] not in kept):
                 self.fs.delete_file(path)
-        for path in self._list("blobs"):
-            name = path.rsplit("/", 1)[-1]
-            if name.endswith(".tmp") or name not in referenced:
-                self.fs.delete_file(path)
+        for name in blobs - referenced:  # temporary files are never referenced
+            self.fs.delete_file(f"{self.path}/blobs/{name}")
 
     # ---- reading ------------------------------------------------------------------------------
 
@@ -165,6 +171,11 @@ class CheckpointStore:
     def meta(self, tag: str) -> dict:
         """What `save` was given as `meta` for checkpoint `tag` ({} if nothing)."""
         return self._index().get("meta", {}).get(tag, {})
+
+    def kept_meta(self) -> list[dict]:
+        """`meta` of every kept checkpoint, oldest first (one read of the index)."""
+        index = self._index()
+        return [index.get("meta", {}).get(tag, {}) for tag in index["order"]]
 
     def load(self, tag: str | None = None, resolve: bool = True):
         """Checkpoint `tag` (default: the newest), every tensor as it was saved (`resolve`

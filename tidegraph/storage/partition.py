@@ -203,22 +203,20 @@ def _padded(x: torch.Tensor, n: int) -> torch.Tensor:
 
 def partition_report(src: torch.Tensor, dst: torch.Tensor, owner) -> dict:
     """Edge cut and balance of events (src, dst) under `owner`: a `Partitioner`, or a node ->
-    shard table covering every id in the events."""
-    nodes = torch.unique(torch.cat([src, dst]))
-    if isinstance(owner, Partitioner):
-        p = owner.num_parts
-        table = torch.zeros(int(nodes.max()) + 1 if nodes.numel() else 0, dtype=torch.int64)
-        table[nodes] = owner.owner(nodes)
-        owner = table
-    else:
-        p = int(owner.max()) + 1 if owner.numel() else 1
-    o_src, o_dst = owner[src], owner[dst]
-    cut = (o_src != o_dst).double().mean().item() if src.numel() else 0.0
-    node_load = torch.bincount(owner[nodes], minlength=p).double()
-    stored = torch.bincount(torch.cat([o_src, o_dst]), minlength=p).double()
-    return {
-        "shards": p,
-        "edge_cut": cut,
-        "node_balance": (node_load.max() / node_load.mean()).item() if nodes.numel() else 1.0,
-        "edge_balance": (stored.max() / stored.mean()).item() if src.numel() else 1.0,
-    }
+    shard table covering every id in the events (a `PartitionTally` of them)."""
+    if not isinstance(owner, Partitioner):
+        owner = _Table(owner)
+    tally = PartitionTally()
+    tally.add(src, dst, owner)
+    return tally.report(owner)
+
+
+class _Table:
+    """A node -> shard table with a partitioner's `owner` and `num_parts`."""
+
+    def __init__(self, table: torch.Tensor) -> None:
+        self.table = table
+        self.num_parts = int(table.max()) + 1 if table.numel() else 1
+
+    def owner(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.table[ids]

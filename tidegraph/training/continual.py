@@ -83,7 +83,6 @@ class ContinualLearner:
         self.stream = stream or stream_for(config.data)
         if self.stream.idmap is None:  # a stream made without stream_of: its ids are dense
             self.stream.idmap = IdMap(self.stream.num_nodes)
-        self.live = live
         seed = config.seed
         c = config.continual
         # the window in memory; old events from the log, a bounded sample of them to replay
@@ -240,9 +239,8 @@ class ContinualLearner:
         if u.increment >= 0:  # retraining: the batch plus its share of the epoch's replay
             part = ps["replay_parts"][u.part]
             rep = self.history_events.pool().select(ps["replay_pos"][part])
-            # the reservoir keeps no labels nor features: trainers read features by eid
-            ev.edge_feat = None if rep.edge_feat is None else ev.edge_feat
-            ev.label = None if rep.label is None else ev.label
+            # replayed events carry no labels nor features: trainers read features by eid
+            ev.edge_feat = ev.label = None
             weight = torch.cat([torch.ones(len(ev)), ps["replay_weight"][part]])
             ev = EventBatch.cat([ev, rep])
         return ev, weight, self.negatives.sample(len(ev), self.train_negatives), n_new
@@ -440,8 +438,7 @@ class ContinualLearner:
         """{"orchestrator": ..., "group": {"partitioner", "shards", "trainers"}}; `store`: a
         checkpoint store the group's pieces write their large tensors to (refs in their
         place), where they can."""
-        group = self.group.state_dict() if store is None else self.group.state_dict(store)
-        return {"orchestrator": self.orchestrator_state(), "group": group}
+        return {"orchestrator": self.orchestrator_state(), "group": self.group.state_dict(store)}
 
     def load_state_dict(self, state: dict) -> None:
         self.group.load_state_dict(state["group"])

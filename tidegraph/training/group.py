@@ -268,6 +268,10 @@ class LocalGroup(GroupCore):
 
     # ---- state --------------------------------------------------------------------------------
 
+    def on_driver_node(self) -> bool:
+        """Every piece is in this process."""
+        return True
+
     def state_dict(self, store: str | None = None) -> dict:
         """Every piece's state (`store`: unused; in one process the checkpoint store takes
         the tensors from here)."""

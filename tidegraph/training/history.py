@@ -63,9 +63,11 @@ class EventHistory:
         return ev
 
     def pool(self) -> EventBatch:
-        """The old events replay and forgetting probes draw from."""
-        pool = self.reservoir.events
-        return self.events.select(slice(0, 0)) if pool is None else pool
+        """The old events replay and forgetting probes draw from (src, dst, t, eid)."""
+        if self.reservoir.events is not None:
+            return self.reservoir.events
+        ev = self.events
+        return EventBatch(ev.src[:0], ev.dst[:0], ev.t[:0], ev.eid[:0])
 
     def ingested(self, ev: EventBatch, partitioner, num_nodes: int) -> None:
         """Events just routed to the shards: counted per node and per partition."""
