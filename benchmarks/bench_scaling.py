@@ -27,6 +27,7 @@ from common import machine, write_json  # noqa: E402
 
 from tidegraph.orchestrator import make_group  # noqa: E402
 from tidegraph.runtime import set_determinism  # noqa: E402
+from tidegraph.timeline import timeline_meta, trace_document  # noqa: E402
 from tidegraph.training import ContinualLearner, RunConfig, load_stream  # noqa: E402
 from tidegraph.training.offline import train_pass
 from tidegraph.training.schedule import phase1_bounds  # noqa: E402
@@ -45,6 +46,8 @@ def config(args, backend: str, shards: int, trainers: int, threads: int) -> RunC
         "cluster": {"backend": backend, "shards": shards, "trainers": trainers,
                     "rebalance_tolerance": tolerance},
         "progress": False, "out_dir": None, "threads": threads, "run_name": "bench-scaling",
+        "timeline": args.timeline, "comm": {"compression": args.compression,
+                                            "overlap": args.overlap},
     })  # fmt: skip
 
 
@@ -59,11 +62,14 @@ def measure(args, stream, backend, shards, trainers, threads) -> dict:
         train_pass(learner, 0, warm, "warm-up")
         learner.group.take_seconds()
         learner.group.take_step_edges()
+        learner.group.take_trace()  # the warm-up's spans
         t0 = time.perf_counter()
         train_pass(learner, warm, val_start, "timed")
         wall = time.perf_counter() - t0
         seconds = learner.group.take_seconds()
         edges = learner.group.take_step_edges()
+        trace = learner.group.take_trace()
+        meta = timeline_meta(cfg, learner.group)
     finally:
         learner.group.shutdown()
     steps = -(-(val_start - warm) // args.batch_size)
@@ -71,6 +77,12 @@ def measure(args, stream, backend, shards, trainers, threads) -> dict:
     split["other"] = wall / steps * 1e3 - sum(split.values())
     # per step, the busiest trainer's sampled edges over the mean (1.0: balanced)
     skew = statistics.mean(max(e) / statistics.mean(e) for e in zip(*edges, strict=True))
+    if args.timeline:  # the timed pass's timeline, with what was measured beside it
+        meta.update(events=val_start - warm, wall_s=wall, events_per_s=(val_start - warm) / wall,
+                    steps=steps, machine=machine())  # fmt: skip
+        name = f"trace_{backend}_P{shards}_W{trainers}_t{threads}_{args.compression}"
+        write_json(f"{name}{'_overlap' if args.overlap else ''}.json",
+                   trace_document(trace, meta))  # fmt: skip
     return {"events_per_s": (val_start - warm) / wall, "ms_per_step": split, "steps": steps,
             "edge_skew": skew}  # fmt: skip
 
@@ -82,6 +94,12 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=200)
     p.add_argument("--warmup", type=int, default=2000)
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--cpus", type=int, default=6, help="the local Ray's CPUs")
+    p.add_argument("--timeline", type=int, default=0,
+                   help="record every K-th step's timeline (0: off); each configuration's "
+                   "trace goes to trace_*.json, for jobs/whatif.py")  # fmt: skip
+    p.add_argument("--compression", default="none")
+    p.add_argument("--overlap", action="store_true")
     p.add_argument(
         "--rebalance-tolerance",
         default="0.1",
@@ -95,7 +113,7 @@ def main() -> None:
     args = p.parse_args()
     import ray
 
-    ray.init(_node_ip_address="127.0.0.1", num_cpus=6, include_dashboard=False,
+    ray.init(_node_ip_address="127.0.0.1", num_cpus=args.cpus, include_dashboard=False,
              configure_logging=False)  # fmt: skip
     stream = load_stream(args.dataset, args.max_events)
     configs = CONFIGS

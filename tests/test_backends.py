@@ -52,6 +52,7 @@ from tidegraph.recovery.updatelog import logged_steps
 from tidegraph.runtime import set_determinism
 from tidegraph.storage.checkpoint import CheckpointStore
 from tidegraph.storage.live import DirectorySource, GrowingFileSource
+from tidegraph.timeline import load_trace, validate
 from tidegraph.training import RunConfig, load_stream
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -453,6 +454,29 @@ def _checkpoints(group, path) -> dict:
     return {}
 
 
+def _timeline(group, path) -> dict:
+    """The run directory's timeline: valid Chrome trace files whose spans come from both
+    trainers (every phase of a step, only the recorded steps), the shards and the driver."""
+    doc = load_trace(str(path))
+    validate(doc)
+    every = group.config.timeline
+    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in doc["traceEvents"]
+             if e["name"] == "thread_name"}  # fmt: skip
+    spans: dict = {}
+    for e in doc["traceEvents"]:
+        if e["ph"] == "X":
+            spans.setdefault(names[e["pid"], e["tid"]], []).append(e)
+    for rank in range(2):
+        mine = spans[f"trainer {rank}"]
+        assert {"sample", "fetch", "forward", "backward", "optimizer", "apply"} <= {
+            e["name"] for e in mine}  # fmt: skip
+        steps = {e["args"]["step"] for e in mine if e["args"]["pass"] == "train"}
+        assert steps and all(s % every == 0 for s in steps), (every, sorted(steps))
+    assert {"ingest", "checkpoint", "evaluation"} <= {e["name"] for e in spans["driver"]}
+    assert any(k.startswith("shard") for k in spans)
+    return {}
+
+
 def _quarantined(group, path) -> dict:
     """The three bad rows of bad.csv went to the quarantine file."""
     rejects = Path(group.config.data.quarantine).read_text().splitlines()
@@ -745,6 +769,7 @@ CASES = [
         check=on_both(_checkpoints),
     ),
     Case("progress", {"progress": True}, "same"),
+    Case("timeline", {"timeline": 2}, "same", check=on_both(_timeline)),
     Case("threads", {"threads": 2}, None),
     Case("deterministic", {"deterministic": False}, None),
 ]
@@ -835,10 +860,11 @@ COMBINED = [
                  "link_latency_s": 1e-4, "link_bandwidth_gbps": 1.0, "latency_fraction": 0.2,
                  "pipeline_stages": 2, "overlap": True},
         "seed": 11, "checkpoint_every": 2, "keep_checkpoints": 2, "device": "cpu",
-        "graph_device": "cpu",
+        "graph_device": "cpu", "timeline": 3,
         "deterministic": True, "threads": 1, "progress": True,
     }, None, check=all_of(on_ray(_replicas), on_ray(_bundles(0.5, 0.25)), on_ray(_recovered),
-                          on_ray(_update_log), on_ray(_overlapped), on_both(_checkpoints))),
+                          on_ray(_update_log), on_ray(_overlapped), on_both(_checkpoints),
+                          on_both(_timeline))),
     Case("tgat+features+uniform+elastic", {
         "model": {"name": "tgat", "num_layers": 1, "slot_precision": "auto"},
         "data": {"dataset": "@features.csv", "format": "csv", "features": "a,b,c",
@@ -888,7 +914,7 @@ JOB_ARGS = [
     "--string-ids", "--quarantine", "@quarantine", "--max-events", "900", "--increments", "2",
     "--replay", "importance", "--epochs", "1", "--seed", "3", "--threads", "1",
     "--device", "cpu", "--checkpoint-every", "2", "--keep-checkpoints", "1", "--debug",
-    "--memory", "sharded",
+    "--memory", "sharded", "--timeline", "2",
     "--partitioner", "ldg", "--shards", "2", "--trainers", "2", "--metrics-port", "0",
     "--no-progress",
 ]  # fmt: skip
@@ -1127,6 +1153,7 @@ SLOW_JOBS = {
     "metrics-port": ["--metrics-port", "0"],
     "device": ["--device", "cpu"],
     "debug": ["--debug"],
+    "timeline": ["--timeline"],
     "offline": ["--mode", "offline"],
 }  # fmt: skip
 SLOW_YAML = {"offline": OFFLINE_YAML}  # the YAML under a flag's run (default SMALL_MODEL)

@@ -21,6 +21,7 @@ import ray
 from tidegraph.actors.segments import SegmentPublisher
 from tidegraph.runtime import set_determinism
 from tidegraph.storage.checkpoint import CheckpointStore
+from tidegraph.timeline import wall_us
 from tidegraph.training.shard import ShardCore
 
 __all__ = ["GraphShardActor", "PartHandle", "RemoteShard", "ShardHostActor"]
@@ -46,6 +47,9 @@ class _Shard(ShardCore):
 
     def pid(self) -> int:
         return os.getpid()
+
+    def wall_us(self) -> float:
+        return wall_us()
 
     def apply_state_of(self, *updates) -> None:
         """`apply_state` with each slice's updates as an argument (object refs resolve)."""

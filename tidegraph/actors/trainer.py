@@ -18,6 +18,7 @@ from tidegraph.recovery.updatelog import UpdateLog, read_step
 from tidegraph.rng import seed_for
 from tidegraph.runtime import set_determinism
 from tidegraph.storage.partition import build_partitioner
+from tidegraph.timeline import wall_us
 from tidegraph.training.config import RunConfig
 from tidegraph.training.group import build_trainer
 
@@ -108,6 +109,7 @@ class _Trainer:
         lost trainer's rank as its `incarnation`-th replacement; `connect` next)."""
         self.rank, self.world = rank, world
         self.core.rank = rank
+        self.core.tracer.name = f"trainer {rank}"
         if incarnation is not None:
             self.incarnation = incarnation
 
@@ -255,7 +257,9 @@ class _Trainer:
                     pos, negl, updates = self.core.eval_slice(ev, neg, observe, start)
                 else:
                     pos, negl, updates = None, None, None
+                t0 = time.perf_counter()
                 parts = self._gather((pos, negl, updates, self.core.vote))
+                self.core.tracer.add("exchange", t0, time.perf_counter())
                 if observe:
                     self.core.apply_updates([u for _, _, u, _ in parts])
                 self.pass_results.append(_scores(parts))
@@ -339,6 +343,9 @@ class _Trainer:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def wall_us(self) -> float:
+        return wall_us()
 
     def eval_slice(self, ev, neg, observe: bool, start, *before):
         """`start`: the global batch's start (`sampler.history: batch`; None: the slice's)."""

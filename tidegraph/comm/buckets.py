@@ -30,6 +30,7 @@ __all__ = [
     "EXACT_BITS",
     "TOPK_BITS",
     "CommStats",
+    "ring_bytes",
     "choose_bits",
     "ddp_bucket_cap_mb",
     "plan_buckets",
@@ -50,6 +51,9 @@ class CommStats:
     bits: tuple[int, ...] = field(default_factory=tuple)  # 32 exact, 8/4/2, 0 top-k
     decided: bool = False  # adaptive bits were re-decided this step
     early: int = 0  # messages (buckets) that left before the tensor was complete (overlap)
+    # with overlap, per bucket (sent, done as perf_counter seconds, bytes sent, bits): the
+    # timeline's bucket spans
+    buckets: tuple = ()
 
     @property
     def ratio(self) -> float:
@@ -180,6 +184,6 @@ def _scatter_back(flat: torch.Tensor, ranges: list[tuple[int, int]], buf: torch.
         at += hi - lo
 
 
-def _ring_bytes(nbytes: int, world: int) -> int:
+def ring_bytes(nbytes: int, world: int) -> int:
     """Bytes one rank sends in a ring all-reduce of `nbytes`."""
     return -(-2 * (world - 1) * nbytes // world)

@@ -69,6 +69,7 @@ class GradSync:
         self.bytes_fp32 = 0  # what fp32 ring all-reduces of the same tensors send
         self.last_bits: tuple[int, ...] = ()
         self.sent_early = 0  # buckets that left during backward (`comm.overlap`)
+        self.last_stats: CommStats | None = None
         if config.overlap and (config.error_feedback or config.compression == "topk"):
             log.warning("comm.overlap: %s needs the whole gradient first, so buckets are "
                         "sent after backward", "top-k" if config.compression == "topk"
@@ -98,6 +99,7 @@ class GradSync:
         self.bytes_fp32 += stats.bytes_fp32
         self.last_bits = tuple(stats.bits)
         self.sent_early += stats.early
+        self.last_stats = stats  # the timeline reads the step's bytes and bits
         return stats
 
     def allreduce_(self, flat: torch.Tensor, step: int, sizes, group, world: int) -> CommStats:

@@ -9,12 +9,13 @@ to the reducer's `_complete` at `finish`, so its result is the one-call all-redu
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from tidegraph.comm.buckets import EXACT_BITS, CommStats, _check_flat, _ring_bytes
+from tidegraph.comm.buckets import EXACT_BITS, CommStats, _check_flat, ring_bytes
 from tidegraph.comm.exchange import _buckets, _Exchange, _Pending, _row_bytes, _Stage
 
 if TYPE_CHECKING:
@@ -44,6 +45,7 @@ class OverlapRound:
         self.left = 0  # units sent
         self.early = 0  # ... by `ready`, before `finish`
         self.done = False
+        self.sent_at: dict[int, float] = {}  # unit -> when it left (the timeline's buckets)
         cfg, W = red.config, red.world
         ranges = red._plan(flat) if W > 1 else []
         chosen = red._compressed(ranges, step)
@@ -105,6 +107,7 @@ class OverlapRound:
     def _send(self, u: int) -> None:
         kind, what = self.units[u]
         self.left = u + 1
+        self.sent_at[u] = time.perf_counter()
         red, flat = self.red, self.flat
         if kind == "exact":
             lo, hi = what
@@ -133,7 +136,7 @@ class OverlapRound:
         if self.deferred:
             return red.allreduce_(flat, step, self.average)
         cfg = red.config
-        stats = CommStats(step, cfg.compression, 0, _ring_bytes(flat.numel() * 4, red.world))
+        stats = CommStats(step, cfg.compression, 0, ring_bytes(flat.numel() * 4, red.world))
         for u in range(self.left, len(self.units)):
             self._send(u)
         if self.ex is not None:
@@ -146,15 +149,33 @@ class OverlapRound:
             ex.sent = [ex.sent[k] for k in at]
             ex.received = [ex.received[k] for k in at]
             stats.bytes_sent += red._complete(ex, flat, step)
+        done_at = {}  # unit -> when its sum was complete
+        t_stages = time.perf_counter()
         for lo, hi in self.exact:  # exact buckets last: a compressed one that raised left
             buf, pending = self.copies[lo]  # `flat` as it was
             pending.wait()
+            done_at[lo] = time.perf_counter()
             if self.average:
                 buf.div_(red.world)
             if self.ex is not None:
                 flat[lo:hi].copy_(buf)
         if self.exact:
-            stats.bytes_sent += _ring_bytes(sum(hi - lo for lo, hi in self.exact) * 4, red.world)
+            stats.bytes_sent += ring_bytes(sum(hi - lo for lo, hi in self.exact) * 4, red.world)
         stats.bits = tuple(self.bits)
         stats.early = self.early
+        stats.buckets = tuple(self._bucket_spans(done_at, t_stages))
         return stats
+
+    def _bucket_spans(self, done_at: dict, t_stages: float) -> list[tuple]:
+        """(sent, done, bytes, bits) per unit in the order they left: an exact bucket is
+        done when its all-reduce returned, a compressed one when the owners' sums were
+        gathered (all at once, `_complete`; its bytes are in the step's total only)."""
+        out = []
+        for u, (kind, what) in enumerate(self.units):
+            if kind == "exact":
+                lo, hi = what
+                out.append((self.sent_at[u], done_at[lo], ring_bytes((hi - lo) * 4,
+                            self.red.world), EXACT_BITS))  # fmt: skip
+            else:
+                out.append((self.sent_at[u], t_stages, 0, what.columns[0][0].bits))
+        return out

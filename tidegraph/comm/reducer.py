@@ -34,11 +34,11 @@ from tidegraph.comm.buckets import (
     TOPK_BITS,
     CommStats,
     _check_flat,
-    _ring_bytes,
     _scatter_back,
     _starts,
     choose_bits,
     plan_buckets,
+    ring_bytes,
 )
 from tidegraph.comm.config import CommConfig
 from tidegraph.comm.exchange import (
@@ -118,7 +118,7 @@ class QuantizedAllReduce:
     def allreduce_(self, flat: torch.Tensor, step: int, average: bool = False) -> CommStats:
         _check_flat(flat)
         cfg, world = self.config, self.world
-        stats = CommStats(step, cfg.compression, 0, _ring_bytes(flat.numel() * 4, world))
+        stats = CommStats(step, cfg.compression, 0, ring_bytes(flat.numel() * 4, world))
         if world == 1:
             stats.bits = (EXACT_BITS,) * len(self._plan(flat))
             return stats
@@ -275,7 +275,7 @@ class QuantizedAllReduce:
         self._broadcast0(bits)
         self._bits, self._decided_at = [int(b) for b in bits.tolist()], step
         log.info("comm: step %d bits per bucket %s", step, self._bits)
-        sent = _ring_bytes(stats.numel() * 8, self.world) + bits.numel() * 8
+        sent = ring_bytes(stats.numel() * 8, self.world) + bits.numel() * 8
         return self._bits, True, sent
 
     # -- the three exchanges ---------------------------------------------------------------
@@ -290,7 +290,7 @@ class QuantizedAllReduce:
             buf.div_(self.world)
         if not whole:
             _scatter_back(flat, ranges, buf)
-        return _ring_bytes(buf.numel() * buf.element_size(), self.world)
+        return ring_bytes(buf.numel() * buf.element_size(), self.world)
 
     def _compensated(self, flat: torch.Tensor, ranges: list[tuple[int, int]]) -> torch.Tensor:
         """The compressed buckets' values in one fp32 tensor (plus the residual, with error

@@ -76,6 +76,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-every", type=int, help="increments between checkpoints")
     p.add_argument("--keep-checkpoints", type=int, metavar="N",
                    help="keep the newest N checkpoints (default 3)")  # fmt: skip
+    p.add_argument("--timeline", type=int, nargs="?", const=1, metavar="K",
+                   help="record a step timeline (Chrome trace, RUN_DIR/timeline/) of every "
+                   "K-th step (default 1: every step)")  # fmt: skip
     p.add_argument(
         "--follow",
         help="a live source: a directory receiving event files (its first file is phase 1, "
@@ -180,6 +183,7 @@ def _config(args: argparse.Namespace) -> RunConfig:
         ("storage", "storage"),
         ("checkpoint_every", "checkpoint_every"),
         ("keep_checkpoints", "keep_checkpoints"),
+        ("timeline", "timeline"),
     ):
         if getattr(args, flag) is not None:
             raw[key] = getattr(args, flag)

@@ -44,6 +44,7 @@ from tidegraph.recovery.policy import NoReplicaLeft
 from tidegraph.recovery.updatelog import drop_steps_before, logged_steps
 from tidegraph.storage.events import EventBatch
 from tidegraph.storage.idmap import IdMap
+from tidegraph.timeline import keep_overlapping, timeline_meta
 from tidegraph.training.continual import ContinualLearner
 from tidegraph.training.data import Stream, stream_of
 
@@ -188,7 +189,24 @@ class Orchestrator:
 
     def close(self) -> None:
         if self.learner is not None:
+            self._write_timeline()
             self.learner.group.shutdown()
+
+    def _write_timeline(self) -> None:
+        """The spans the group recorded since the last write, as the run directory's next
+        timeline file (`--timeline K`, K > 1: the shards' requests of recorded steps only)."""
+        k = self.config.timeline
+        if not k or self.run_dir is None or self.learner is None:
+            return
+        try:
+            events = self.learner.group.take_trace()
+        except Exception as exc:  # a lost member's spans are lost; the run goes on
+            log.warning("timeline: could not collect the spans (%s)", exc)
+            return
+        if k > 1:
+            events = keep_overlapping(events, "shard")
+        if any(e["ph"] == "X" for e in events):
+            self.run_dir.write_timeline(events, timeline_meta(self.config, self.learner.group))
 
     def _advance(self) -> RunState:
         if self.state is RunState.SCHEDULING:
@@ -269,6 +287,7 @@ class Orchestrator:
                         "computing them", len(replay), replay[0], replay[-1])  # fmt: skip
 
     def _record(self, record: dict) -> None:
+        self._write_timeline()
         if self.metrics is not None:
             group = self.learner.group
             self.metrics.observe(self.learner, record, group.take_seconds(), group.grad_values(),
@@ -287,7 +306,8 @@ class Orchestrator:
             state["live"] = {"name": learner.stream.name, "phase1_end": learner.phase1_end,
                              "increments": [tuple(b) for b in learner.bounds]}  # fmt: skip
         step = learner.cursor.step
-        self.run_dir.save_checkpoint(state, tag, self.config.keep_checkpoints, {"step": step})
+        with learner.group.tracer.span("checkpoint", tag=tag):
+            self.run_dir.save_checkpoint(state, tag, self.config.keep_checkpoints, {"step": step})
         if self.run_dir.local:  # the update log's steps before every kept checkpoint go
             oldest = min(m.get("step", 0) for m in self.run_dir.checkpoints.kept_meta())
             drop_steps_before(f"{self.run_dir.path}/updates", oldest)

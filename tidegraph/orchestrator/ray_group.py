@@ -64,6 +64,7 @@ from tidegraph.orchestrator.shard_recovery import ShardRecovery
 from tidegraph.orchestrator.shard_table import ShardTable
 from tidegraph.recovery.budget import RecoveryBudget
 from tidegraph.recovery.policy import NoReplicaLeft
+from tidegraph.timeline import clock_offset, shift
 from tidegraph.training.groupcore import GroupCore
 
 __all__ = ["NoReplicaLeft", "PlacementTimeout", "RayGroup"]
@@ -324,6 +325,24 @@ class RayGroup(
 
     def take_step_edges(self) -> list[list[int]]:
         return self._all("take_step_edges")
+
+    def take_trace(self) -> list[dict]:
+        """The driver's, trainers' and shards' timeline spans since the last call, on the
+        driver's clock: an actor on another node is shifted by its clock's offset
+        (`clock_offset`)."""
+        if not self.config.timeline:
+            return []
+        self._flush()
+        actors = [*self.trainers, *self._all_copies()]
+        parts = self._robust(lambda: ray.get(
+            [t.call.remote("take_trace") for t in self.trainers]
+            + [s.take_trace.remote() for s in self._all_copies()]))  # fmt: skip
+        if not self.on_driver_node():
+            here = ray.get_runtime_context().get_node_id()
+            for actor, events in zip(actors, parts, strict=True):
+                if events and ray.get(actor.node_id.remote()) != here:
+                    shift(events, clock_offset(lambda a=actor: ray.get(a.wall_us.remote()))[0])
+        return self.tracer.take() + [e for part in parts for e in part]
 
     def model_state(self) -> dict:
         self._flush()

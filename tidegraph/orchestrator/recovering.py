@@ -125,6 +125,7 @@ class TrainerRecovery:
             "cause": type(cause).__name__,
         }  # fmt: skip
         self.recoveries.append(event)
+        self._trace_event("recovery", t0, event)
         log.warning(
             "trainer recovery: lost %s; %d steps of the pass done; trainer %d copied to %s; "
             "group generation %d; %.2f s", lost, done, source, sorted(behind), self.generation,

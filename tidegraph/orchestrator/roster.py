@@ -128,6 +128,7 @@ class TrainerRoster:
             "time": time.time(),
         }  # fmt: skip
         self.resizes.append(event)
+        self._trace_event("resize", t0, event)
         self._publish()
         log.warning("resize at %s: %d -> %d trainers (%s); left %s, joined as members %s; "
                     "%.2f s", at, old, world, d.reason, event["left"], event["joined"],

@@ -19,6 +19,7 @@ run's (checkpoints without one, if any, load unchecked).
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pyarrow.fs as pafs
@@ -26,6 +27,7 @@ import yaml
 
 from tidegraph.storage.checkpoint import CheckpointStore, read_file, write_file
 from tidegraph.storage.eventlog import EventLog, open_fs
+from tidegraph.timeline import trace_document
 
 __all__ = ["NEUTRAL", "RunDir", "check_resume_config", "config_diff"]
 
@@ -55,6 +57,7 @@ class RunDir:
             f"{self.path}/checkpoints")  # fmt: skip
         self.checkpoint_uri = where + (f"?{options}" if options else "")
         self.config: dict | None = None  # the run's configuration (checkpoints must match it)
+        self._timeline_seq: int | None = None  # the next timeline file's number
 
     def _check_writable(self) -> None:
         probe = f"{self.path}/.write-probe"
@@ -96,6 +99,18 @@ class RunDir:
         self.checkpoints.save(state, tag, keep, meta)
         log.info("checkpoint %s written to %s/checkpoints", tag, self.path)
 
+    def write_timeline(self, events: list[dict], meta: dict) -> str:
+        """`events` as the next file of timeline/ (a whole Chrome trace each); its name."""
+        if self._timeline_seq is None:  # a resumed run numbers on after its files
+            found = self.fs.get_file_info(pafs.FileSelector(f"{self.path}/timeline",
+                                                            allow_not_found=True))  # fmt: skip
+            names = [f.base_name for f in found if f.base_name.endswith(".json")]
+            self._timeline_seq = 1 + max((int(n.split(".")[0]) for n in names), default=-1)
+        name = f"timeline/{self._timeline_seq:05d}.json"
+        self._timeline_seq += 1
+        self._write(name, json.dumps(trace_document(events, meta)).encode())
+        return name
+
     def latest_name(self) -> str | None:
         return self.checkpoints.latest()
 
@@ -125,7 +140,7 @@ class RunDir:
 # fields (or whole sections) that do not change a run's result
 NEUTRAL = (
     "run_name", "out_dir", "storage", "progress", "threads", "checkpoint_every",
-    "keep_checkpoints", "cluster", "data.quarantine",
+    "keep_checkpoints", "cluster", "data.quarantine", "timeline",
 )  # fmt: skip
 
 

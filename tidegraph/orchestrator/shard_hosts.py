@@ -147,6 +147,7 @@ class ShardHosts:
         event = {"from": old_count, "to": count, "moves": len(moves), "reason": reason,
                  "at": at, "seconds": time.perf_counter() - t0, "time": time.time()}  # fmt: skip
         self.shard_resizes.append(event)
+        self._trace_event("shard resize", t0, event)
         self._top_up_shards()
         self._publish()
         log.warning("shards at %s: %d -> %d actors (%s); %d partitions moved; %.2f s", at,

@@ -136,6 +136,7 @@ class ShardRecovery:
                                 "replayed_batches": len(self.ingests) - start,
                                 "rebuilt_on": actors,
                                 "seconds": time.perf_counter() - t0})  # fmt: skip
+        self._trace_event("shard recovery", t0, self.recoveries[-1])
         self._top_up_shards()  # lost hosts' slots: hosts start there and take partitions back
 
     def _rebuild_hosts(self, lost: list[int]) -> dict:

@@ -219,6 +219,7 @@ class ShardTable:
                  "events": held["events"], "at": at, "seconds": time.perf_counter() - t0,
                  "time": time.time()}  # fmt: skip
         self.shard_moves.append(event)
+        self._trace_event("partition move", t0, event)
         self._publish()
         log.warning("shard %d moved at %s from node %s to %s (%d events); %.2f s", p, at,
                     str(event["from_node"])[:12], str(event["to_node"])[:12], held["events"],

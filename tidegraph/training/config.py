@@ -382,6 +382,9 @@ class RunConfig:
     checkpoint_every: int = 1  # increments between checkpoints (and one after phase 1, at end)
     keep_checkpoints: int = 3  # the newest checkpoints kept (older ones and what only they use go)
     progress: bool = True
+    # the step timeline (tidegraph.timeline): 0 off, K records every K-th step of each pass
+    # kind, written to the run directory's timeline/
+    timeline: int = 0
     # torch CPU threads, set by the job entry point; 1 is fastest on small CPU boxes (these
     # batches are small, and threads thrash when other processes compete); None: torch's default
     threads: int | None = 1
@@ -398,6 +401,9 @@ class RunConfig:
             raise ValueError(f"checkpoint_every must be >= 1, got {self.checkpoint_every}")
         if self.keep_checkpoints < 1:
             raise ValueError(f"keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
+        if self.timeline < 0:
+            raise ValueError(f"timeline must be >= 0 (0: off, K: every K-th step), got "
+                             f"{self.timeline}")  # fmt: skip
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1 or None, got {self.threads}")
         if not _DEVICE.fullmatch(self.device):

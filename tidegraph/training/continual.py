@@ -215,7 +215,8 @@ class ContinualLearner:
         if first.kind == "train":
             ps.update(losses=[], loss_events=0, t_pass=time.perf_counter())
             batches = [self._train_inputs(u, ps) for u in todo]
-            losses = self.group.train_pass(batches, progress)
+            with self.group.tracer.span("train pass", steps=len(batches)):
+                losses = self.group.train_pass(batches, progress)
             for (ev, _, _, _), loss in zip(batches, losses, strict=True):
                 ps["losses"].append((loss, len(ev)))
                 ps["loss_events"] += len(ev)
@@ -226,7 +227,9 @@ class ContinualLearner:
             for u in todo:
                 ev = self._events(u.lo, u.hi)
                 batches.append((ev, self.negatives.sample(len(ev), self.eval_negatives)))
-            for p, n in self.group.eval_pass(batches, True, progress):
+            with self.group.tracer.span("evaluation", steps=len(batches)):
+                scores = self.group.eval_pass(batches, True, progress)
+            for p, n in scores:
                 ps["pos"].append(p)
                 ps["neg"].append(n)
         progress(len(todo))
@@ -508,7 +511,8 @@ class ContinualLearner:
         if len(ev):
             top = int(torch.maximum(ev.src.max(), ev.dst.max())) + 1
             self.num_nodes = max(self.num_nodes, top)
-        self.group.ingest(ev, self.num_nodes, span=(lo, end))
+        with self.group.tracer.span("ingest", events=len(ev)):
+            self.group.ingest(ev, self.num_nodes, span=(lo, end))
         self.history_events.ingested(ev, self.group.partitioner, self.num_nodes)
         self.negatives.add(ev.dst)
         self.cursor.ingested = end
@@ -535,7 +539,8 @@ class ContinualLearner:
 
     def _eval_batch(self, ev: EventBatch, observe: bool) -> tuple[torch.Tensor, torch.Tensor]:
         neg = self.negatives.sample(len(ev), self.eval_negatives)
-        return self.group.eval_step(ev, neg, observe)
+        with self.group.tracer.span("evaluation", events=len(ev)):
+            return self.group.eval_step(ev, neg, observe)
 
     def _old_ap(self, end: int) -> float:
         n = self.config.continual.forget_sample

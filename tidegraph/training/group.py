@@ -18,6 +18,7 @@ reversed, at the owner of its destination; feature rows at shard eid mod P.
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -75,6 +76,9 @@ class LocalGroup(GroupCore):
             build_trainer(config, w, self.shards, self._owner, num_nodes, edge_dim, sharded)
             for w in range(c.trainers)
         ]
+        # in one process, the timeline tells the members apart by thread id
+        for i, member in enumerate([*self.trainers, *self.shards]):
+            member.tracer.tid, member.tracer.process = 1 + i, "driver"
 
     def _owner(self, ids: torch.Tensor) -> torch.Tensor:
         return self.partitioner.owner(ids)
@@ -106,12 +110,14 @@ class LocalGroup(GroupCore):
         for trainer, args in zip(self.trainers, slices, strict=True):
             if len(args[0]):
                 results.append(trainer.train_slice(*args))
+        t0 = time.perf_counter()
         if compressing(self.config.comm, self.num_trainers):
             grad = self._compressed_sum(slices)
         elif len(results) == 1:
             grad = results[0]["grad"]
         else:
             grad = torch.stack([r["grad"] for r in results]).sum(0)
+        self.tracer.record("allreduce", t0, time.perf_counter(), "driver", in_process=True)
         updates = [r["updates"] for r in results]
         for trainer in self.trainers:
             trainer.apply(grad, updates)
@@ -237,6 +243,12 @@ class LocalGroup(GroupCore):
     def take_seconds(self) -> list[dict]:
         """Each trainer's seconds per step phase since the last call."""
         return [t.take_seconds() for t in self.trainers]
+
+    def take_trace(self) -> list[dict]:
+        """The driver's, trainers' and shards' timeline spans since the last call (one
+        process, one clock)."""
+        members = [self, *self.trainers, *self.shards]
+        return [e for m in members for e in m.tracer.take()]
 
     def alive(self) -> tuple[int, int]:
         """(trainers, shards) alive: in one process, all of them."""

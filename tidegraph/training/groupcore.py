@@ -15,11 +15,14 @@ their runs equal are written once:
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from tidegraph.rng import load_generator_state, seed_for, stream
 from tidegraph.storage.events import EventBatch
 from tidegraph.storage.partition import build_partitioner, partition_report
+from tidegraph.timeline import Tracer
 from tidegraph.training.balance import SliceBalancer
 from tidegraph.training.schedule import batch_start, train_slices
 from tidegraph.training.shard import route_batch
@@ -40,7 +43,7 @@ def shard_args(config, p: int, edge_dim: int, state_model=None) -> tuple[tuple, 
         strategy=config.sampler.strategy, seed=seed_for(config.seed, "sampler", p),
         feature_seed=seed_for(config.seed, "features", p),
         graph_device=config.graph_device, pin_memory=config.device.startswith("cuda"),
-        state_model=state_model,
+        state_model=state_model, timeline=config.timeline,
     )  # fmt: skip
 
 
@@ -58,6 +61,7 @@ class GroupCore:
         """Set up the shared state; returns the node-state bytes per node."""
         c = config.cluster
         self.config = config
+        self.tracer = Tracer("driver", config.timeline)  # the driver's timeline spans
         self.num_shards, self.num_trainers = c.shards, c.trainers
         self.train_batch_size = config.train.batch_size
         self.partitioner = build_partitioner(c.partitioner, c.shards)
@@ -91,8 +95,17 @@ class GroupCore:
     def _train_cut(self, ev, weight, neg_BQ, num_observe: int) -> list[tuple]:
         """Each trainer's arguments of one training step (`schedule.train_slices`, at the
         balancer's bounds)."""
+        t0 = time.perf_counter()
         bounds = self.balancer.bounds(ev, neg_BQ, self.num_trainers)
-        return train_slices(ev, weight, neg_BQ, num_observe, self.num_trainers, bounds)
+        out = train_slices(ev, weight, neg_BQ, num_observe, self.num_trainers, bounds)
+        self.tracer.record("routing", t0, time.perf_counter(), "driver", events=len(ev))
+        return out
+
+    def _trace_event(self, name: str, t0: float, event: dict) -> None:
+        """A recovery, resize or move (`event`, begun at perf_counter `t0`) on the driver's
+        timeline, with its plain facts as args."""
+        args = {k: v for k, v in event.items() if isinstance(v, (int, float, str, list))}
+        self.tracer.record(name, t0, time.perf_counter(), "driver", **args)
 
     def _eval_cut(self, ev: EventBatch, neg_BQ: torch.Tensor) -> tuple[list, float | None]:
         """[(rank, events, negatives)] of the trainers that get a slice of an evaluation

@@ -19,6 +19,8 @@ Ray) calls it once per batch and sends each shard only its piece.
 
 from __future__ import annotations
 
+import functools
+import time
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +32,7 @@ from tidegraph.storage.checkpoint import put_state
 from tidegraph.storage.events import EventBatch
 from tidegraph.storage.features import EncodedRows, HostFeatureStore, decode, encode
 from tidegraph.storage.graph import DynamicGraph
+from tidegraph.timeline import Tracer
 from tidegraph.training.state import ShardNodeState, encode_state_rows
 
 __all__ = ["ShardBatch", "ShardCore", "encode_features", "route_batch", "route_events"]
@@ -112,6 +115,25 @@ def route_batch(
     return route_events(events, own_src, own_dst, partitioner.num_parts, encoded)
 
 
+def _served(method):
+    """A shard request recorded as a timeline span (category "shard"; an ingest "ingest")
+    when tracing."""
+
+    @functools.wraps(method)
+    def served(self, *args, **kwargs):
+        if not self.tracer.enabled:
+            return method(self, *args, **kwargs)
+        t0 = time.perf_counter()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            # ingests are few and kept; requests only where they meet a recorded step
+            cat = "ingest" if method.__name__ == "ingest" else "shard"
+            self.tracer.record(method.__name__, t0, time.perf_counter(), cat, part=self.part)
+
+    return served
+
+
 class ShardCore:
     """Partition `part` of `num_parts`: adjacency, its share of edge features, a sampler."""
 
@@ -128,7 +150,9 @@ class ShardCore:
         graph_device: str = "cpu",
         pin_memory: bool = False,
         state_model=None,
+        timeline: int = 0,
     ) -> None:
+        """`timeline`: record the requests served (`tidegraph.timeline`; 0: off)."""
         if not 0 <= part < num_parts:
             raise ValueError(f"ShardCore: part must be in [0, {num_parts}), got {part}")
         self.part = part
@@ -144,9 +168,15 @@ class ShardCore:
             )  # fmt: skip
         self.num_events = 0  # distinct events whose half-edges are here
         self.node_state = None if state_model is None else ShardNodeState(state_model)
+        self.tracer = Tracer(f"shard {part}", timeline, tid=part, process="shards")
+
+    def take_trace(self) -> list[dict]:
+        """Requests served since the last call, as timeline spans."""
+        return self.tracer.take()
 
     # ---- ingest -----------------------------------------------------------------------------
 
+    @_served
     def ingest(self, batch: ShardBatch) -> None:
         """Store the half-edges and feature rows of one routed batch. The graph validates the
         batch first (ids, times) and changes nothing when it is bad; feature rows and state
@@ -162,6 +192,7 @@ class ShardCore:
 
     # ---- queries ----------------------------------------------------------------------------
 
+    @_served
     def sample_hop(
         self,
         roots: torch.Tensor,
@@ -176,6 +207,7 @@ class ShardCore:
         t_lo = None if t_lo is None else t_lo.to(g)
         return self.sampler.sample_hop(roots.to(g), t_hi.to(g), k, t_lo, key)
 
+    @_served
     def fetch(self, eids: torch.Tensor, int8: bool = False) -> EncodedRows:
         """Stored feature rows of `eids` (each with eid mod P == this part); with `int8`, as
         int8 with one scale per row (`comm.rows_int8`: a quarter of fp32's bytes on the wire;
@@ -195,6 +227,7 @@ class ShardCore:
     def load_sampler_state(self, state: dict) -> None:
         self.sampler.load_state_dict(state)
 
+    @_served
     def read_state(
         self, ids: torch.Tensor, names: tuple[str, ...] | None = None, int8: bool = False
     ) -> dict:
@@ -204,6 +237,7 @@ class ShardCore:
         rows = self.node_state.read(ids, names)
         return encode_state_rows(rows) if int8 else rows
 
+    @_served
     def apply_state(self, updates: list) -> None:
         """The part of one step's merged node-state updates that concerns this shard's nodes."""
         self.node_state.apply(updates)

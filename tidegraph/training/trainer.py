@@ -24,12 +24,14 @@ from collections import defaultdict
 import torch
 import torch.nn.functional as F
 
+from tidegraph.comm.buckets import ring_bytes
 from tidegraph.models.base import TemporalModel, link_roots
 from tidegraph.models.config import build_model
 from tidegraph.sampling.keyed import step_key
 from tidegraph.storage.cache import CachedFeatureStore
 from tidegraph.storage.checkpoint import compact, put_state
 from tidegraph.storage.events import EventBatch
+from tidegraph.timeline import Tracer
 from tidegraph.training.fetch import flat_blocks, join_edge_features
 from tidegraph.training.optim import FlatAdam
 from tidegraph.training.sampling import sample_options
@@ -95,6 +97,8 @@ class TrainerCore:
         # edges sampled by each training step's slice (the last ones; for balance reports)
         self.step_edges: collections.deque[int] = collections.deque(maxlen=100_000)
         self._sampled_edges = 0
+        self.tracer = Tracer(f"trainer {rank}", config.timeline)
+        self.evals = 0  # evaluation slices (the timeline's count of eval steps)
 
     # ---- parameters -------------------------------------------------------------------------
 
@@ -159,9 +163,10 @@ class TrainerCore:
         t2 = time.perf_counter()
         d = self.device
         scores = self.model.score(ev.src.to(d), ev.dst.to(d), neg_BQ.to(d), ev.t.to(d), blocks)
-        self.seconds["sample"] += t1 - t0
-        self.seconds["fetch"] += t2 - t1
-        self.seconds["compute"] += time.perf_counter() - t2
+        t3 = time.perf_counter()
+        self._phase("sample", t0, t1, roots=len(roots), edges=self._sampled_edges)
+        self._phase("fetch", t1, t2)
+        self._phase("compute", t2, t3, "forward", events=len(ev))
         return scores, observe
 
     def train_slice(
@@ -182,6 +187,7 @@ class TrainerCore:
         result's "updates"."""
         if not self.model.training:  # Module.train() walks every submodule: once per pass
             self.model.train()
+        self.tracer.begin(self.steps)
         observe = ev.select(slice(0, num_observe)) if num_observe else None
         start = self._start(start, ev.t[:num_observe])
         (pos, negl), observe = self._forward(ev, neg_BQ, observe, start, self.steps)
@@ -204,12 +210,13 @@ class TrainerCore:
         t1 = time.perf_counter()
         if exchange is not None:
             updates = exchange(float(loss.detach()), updates)
-        self.seconds["apply"] += t1 - t0
-        self.seconds["exchange"] += time.perf_counter() - t1
-        t0 = time.perf_counter()
+        t2 = time.perf_counter()
+        self._phase("apply", t0, t1)
+        if exchange is not None:
+            self._phase("exchange", t1, t2, start="gather")
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        self.seconds["compute"] += time.perf_counter() - t0
+        self._phase("compute", t2, time.perf_counter(), "backward", events=len(ev))
         return SliceResult(
             grad=self.optimizer.flat_grad, loss=float(loss.detach()), updates=updates
         )
@@ -236,6 +243,8 @@ class TrainerCore:
         Every collective of the step finishes before anything of this replica changes (the
         optimizer step comes last): a replica whose group fails mid-step keeps the state of
         the step before, one that returned holds the whole step (see `recovery`)."""
+        t_step = time.perf_counter()
+        self.tracer.begin(self.steps)
         exchange = None
         if gather:
             exchange = lambda loss, u: collective.all_gather_tensors_async(  # noqa: E731
@@ -265,9 +274,15 @@ class TrainerCore:
             self.group_vote = max(part[2] for part in parts)
         t2 = time.perf_counter()
         self.optimizer.step()
+        t3 = time.perf_counter()
+        if self.tracer.on:
+            self._trace_allreduce(t0, t1, collective)
         self.seconds["allreduce"] += t1 - t0
-        self.seconds["exchange"] += t2 - t1
-        self.seconds["optimizer"] += time.perf_counter() - t2
+        self._phase("exchange", t1, t2, start="wait")
+        self._phase("optimizer", t2, t3)
+        self.tracer.add(
+            "step", t_step, t3, world=collective.world, events=len(ev), global_size=global_size
+        )
         self.steps += 1
         return loss, updates
 
@@ -280,7 +295,7 @@ class TrainerCore:
             flat.copy_(reduced_grad)
         self.optimizer.step()
         self.steps += 1
-        self.seconds["optimizer"] += time.perf_counter() - t0
+        self._phase("optimizer", t0, time.perf_counter())
         self.apply_updates(updates)
 
     @torch.no_grad()
@@ -293,6 +308,8 @@ class TrainerCore:
         None: this slice's)."""
         if self.model.training:
             self.model.eval()
+        self.tracer.begin(self.evals, "eval")
+        self.evals += 1
         q = neg_BQ.shape[1]
         step = max(1, self.eval_max_roots // (2 + q))
         pos_parts, neg_parts = [], []
@@ -325,13 +342,40 @@ class TrainerCore:
         t0 = time.perf_counter()
         if self.state_source is None:
             self.model.apply_updates(updates)
-        self.seconds["apply"] += time.perf_counter() - t0
+        self._phase("apply", t0, time.perf_counter())
 
     def abort_step(self) -> None:
         """Forget a step that failed midway (its group lost a member): the forward pass's
         pending node-state rows and the gradient; the state of the last whole step stays."""
         self.model.discard()
         self.optimizer.zero_grad()
+
+    def _phase(self, key: str, t0: float, t1: float, span: str | None = None, **args) -> None:
+        """Count `t1 - t0` seconds to phase `key` and, if this step is traced, record the
+        span (named `span`, else `key`; see `tidegraph.timeline`)."""
+        self.seconds[key] += t1 - t0
+        if self.tracer.on:
+            self.tracer.add(span or key, t0, t1, **args)
+
+    def _trace_allreduce(self, t0: float, t1: float, collective) -> None:
+        """The gradient all-reduce's span: bytes this rank sent, what fp32 would have sent,
+        each bucket's bits; with `comm.overlap` a span per bucket from its send to its end."""
+        world = collective.world
+        fp32 = ring_bytes(self.optimizer.flat_grad.numel() * 4, world)
+        stats = getattr(self.grad_sync, "last_stats", None)
+        if stats is None or stats.step != self.steps:
+            self.tracer.add("allreduce", t0, t1, bytes=fp32, bytes_fp32=fp32, bits=[32],
+                            world=world)  # fmt: skip
+            return
+        self.tracer.add("allreduce", t0, t1, bytes=stats.bytes_sent, bytes_fp32=stats.bytes_fp32,
+                        bits=list(stats.bits), world=world, early=stats.early)  # fmt: skip
+        for i, (s0, s1, nbytes, bits) in enumerate(stats.buckets):
+            self.tracer.add("allreduce bucket", s0, s1, "bucket", bucket=i, bytes=nbytes,
+                            bits=bits)  # fmt: skip
+
+    def take_trace(self) -> list[dict]:
+        """Spans recorded since the last call (`tidegraph.timeline`)."""
+        return self.tracer.take()
 
     def take_seconds(self) -> dict[str, float]:
         """Seconds per step phase since the last call (and start counting anew)."""
