@@ -211,7 +211,7 @@ class TrainerCore:
         if exchange is not None:
             updates = exchange(float(loss.detach()), updates)
         t2 = time.perf_counter()
-        self._phase("apply", t0, t1)
+        self._phase("apply", t0, t1, "updates")
         if exchange is not None:
             self._phase("exchange", t1, t2, start="gather")
         self.optimizer.zero_grad(set_to_none=True)

@@ -1,0 +1,83 @@
+"""Predict a training step under other settings from a recorded timeline (`tidegraph.whatif`).
+
+    python -m tidegraph.jobs.whatif RUN_DIR|TRACE.json --trainers W [--link-gbps B]
+        [--link-latency-us L] [--compression none|q8|q4|adaptive] [--overlap on|off]
+        [--scale-rule keep|linear]
+
+prints the recorded step, the predicted step time and events/s, the spans of the critical
+path and the one that takes longest. Several --trainers values give one line each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from tidegraph.timeline import load_trace, validate
+from tidegraph.whatif import Setting, predict, profile
+
+__all__ = ["main"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m tidegraph.jobs.whatif", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("source", help="a run directory with timeline/, or one trace JSON file")
+    p.add_argument("--trainers", type=int, nargs="+", required=True, metavar="W")
+    p.add_argument("--link-gbps", type=float, help="a link of B Gbit/s (default: as recorded)")
+    p.add_argument("--link-latency-us", type=float, help="its latency per message")
+    p.add_argument("--compression", default="none", help="none, q8, q4 or adaptive")
+    p.add_argument("--overlap", default="off", choices=["on", "off"])
+    p.add_argument(
+        "--scale-rule",
+        default="keep",
+        choices=["keep", "linear"],
+        help="keep the global batch, or grow it with W (cluster.scale_rule linear)",
+    )
+    return p
+
+
+def _load(source: str) -> dict:
+    if os.path.isdir(source):
+        return load_trace(source)
+    try:
+        with open(source) as f:
+            doc = json.load(f)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{source}: no such run directory or trace file") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{source}: not a JSON trace ({e})") from None
+    validate(doc)
+    return doc
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        prof = profile(_load(args.source))
+        settings = [Setting(trainers=w, link_gbps=args.link_gbps,
+                            link_latency_us=args.link_latency_us,
+                            compression=args.compression, overlap=args.overlap == "on",
+                            scale_rule=args.scale_rule) for w in args.trainers]  # fmt: skip
+    except (OSError, ValueError) as e:
+        print(f"whatif: {e}", file=sys.stderr)
+        return 2
+    fits = ", ".join(f"{k} {a:.2f}+{b:.4f}n" for k, (a, b) in prof.fit.items())
+    print(f"recorded: W = {prof.world}, {prof.steps} steps of {prof.global_batch:.0f} events, "
+          f"{prof.period_ms:.2f} ms a step, {prof.events_per_s:,.0f} events/s")  # fmt: skip
+    print(f"  compute per slice of n events (ms): {fits}")
+    print(f"  all-reduce {prof.allreduce_ms:.2f} ms, exchange {prof.exchange_ms:.2f} ms, after "
+          f"the all-reduce {prof.post_ms:.2f} ms, stragglers x{prof.straggle:.3f}")  # fmt: skip
+    for s in settings:
+        out = predict(prof, s)
+        path = " -> ".join(f"{name} {ms:.2f}" for name, ms in out.path)
+        print(f"W = {s.trainers}: {out.step_ms:.2f} ms a step, {out.events_per_s:,.0f} "
+              f"events/s; bottleneck: {out.bottleneck}\n  path (ms): {path}")  # fmt: skip
+    print("assumptions: " + "; ".join(predict(prof, settings[0]).assumptions))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
