@@ -15,8 +15,7 @@ sample with the shortest round trip, offset = remote - midpoint, within half tha
 
 The driver writes what it collected at the end of phase 1 and of every increment to
 `RUN_DIR/timeline/NNNNN.json` (each file a whole trace: bounded files for a run that never
-ends); `load_trace` merges them in order, and `python -m tidegraph.jobs.report RUN_DIR --trace
-FILE` writes the merged trace for Perfetto.
+ends); `load_trace` merges them in order into one document (`tidegraph.whatif` reads it).
 """
 
 from __future__ import annotations
@@ -29,7 +28,6 @@ import time
 from collections.abc import Callable, Iterator
 
 __all__ = [
-    "TRAINER_SPANS",
     "Tracer",
     "clock_offset",
     "keep_overlapping",
@@ -40,10 +38,6 @@ __all__ = [
     "validate",
     "wall_us",
 ]
-
-# the phases of a trainer's step, in the order they run
-TRAINER_SPANS = ("sample", "fetch", "forward", "apply", "exchange", "backward", "allreduce",
-                 "optimizer")  # fmt: skip
 
 
 class Tracer:
@@ -59,7 +53,7 @@ class Tracer:
         self.events: list[dict] = []
         self.on = False  # the current step is recorded
         self.label: dict = {}  # args of the current step's spans (its step number, pass)
-        self.wall0_us = time.time_ns() / 1e3
+        self.wall0_us = wall_us()
         self.perf0 = time.perf_counter()
 
     @property
@@ -130,9 +124,9 @@ def clock_offset(remote_clock: Callable[[], float], samples: int = 5) -> tuple[f
     offset = remote - midpoint, within half its round trip."""
     best = None
     for _ in range(samples):
-        t0 = time.time_ns() / 1e3
+        t0 = wall_us()
         remote = remote_clock()
-        t1 = time.time_ns() / 1e3
+        t1 = wall_us()
         if best is None or t1 - t0 < best[1]:
             best = (remote - (t0 + t1) / 2, t1 - t0)
     return best[0], best[1] / 2

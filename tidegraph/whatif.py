@@ -127,30 +127,25 @@ def profile(doc: dict) -> StepProfile:
             pure_ex.append(min(ex) / 1e3)
     # the mean period, spikes included (a pass's wall time is their sum): between a rank's
     # consecutive recorded steps of one pass (the driver's pass spans; none: one pass)
-    passes = [(e["ts"], e["ts"] + e["dur"]) for e in doc["traceEvents"]
-              if e.get("ph") == "X" and e["name"] == "train pass"]  # fmt: skip
-    order = sorted(whole)
-    step_of = {}
-    for ts in starts.values():
-        step_of.update(zip(ts, order, strict=False))
+    passes = [e for e in doc["traceEvents"] if e.get("ph") == "X" and e["name"] == "train pass"]
+    order = sorted(whole)  # each track's starts were appended in this order
     total_us, total_steps = 0.0, 0
     for ts in starts.values():
-        for t0, t1 in zip(ts, ts[1:], strict=False):
-            if passes and not any(a <= t0 and t1 <= b for a, b in passes):
+        for i in range(len(ts) - 1):
+            t0, t1 = ts[i], ts[i + 1]
+            if passes and not any(p["ts"] <= t0 and t1 <= p["ts"] + p["dur"] for p in passes):
                 continue
             total_us += t1 - t0
-            total_steps += step_of[t1] - step_of[t0]
+            total_steps += order[i + 1] - order[i]
     period = total_us / total_steps / 1e3 if total_steps else float("nan")
     fit = {name: _fit(pts) for name, pts in points.items()}
     # what a pass costs beside its steps (dispatch, the first step's inputs, results), per
     # step: the driver's "train pass" spans, or the wall time a benchmark measured
     meta = doc.get("otherData", {})
-    pass_spans = [e for e in doc["traceEvents"]
-                  if e.get("ph") == "X" and e["name"] == "train pass"]  # fmt: skip
     wall_ms, n_steps = None, None
-    if pass_spans:
-        wall_ms = sum(e["dur"] for e in pass_spans) / 1e3
-        n_steps = sum(e["args"].get("steps", 0) for e in pass_spans)
+    if passes:
+        wall_ms = sum(e["dur"] for e in passes) / 1e3
+        n_steps = sum(e["args"].get("steps", 0) for e in passes)
     elif "wall_s" in meta and "steps" in meta:
         wall_ms, n_steps = meta["wall_s"] * 1e3, meta["steps"]
     pass_ms = max(wall_ms / n_steps - period, 0.0) if n_steps else 0.0
@@ -160,12 +155,11 @@ def profile(doc: dict) -> StepProfile:
     ar_ms = statistics.fmean(pure_ar) if pure_ar else 0.0
     ex_ms = statistics.fmean(pure_ex) if pure_ex else 0.0
     post_ms = max(period - compute_ms - ar_ms, 0.0) + pass_ms
-    grad_bytes = 4 * int(doc.get("otherData", {}).get("grad_values", 0))
+    grad_bytes = 4 * int(meta.get("grad_values", 0))
     return StepProfile(world=world, global_batch=g, fit=fit, straggle=statistics.fmean(straggle),
                        allreduce_ms=ar_ms, exchange_ms=ex_ms, post_ms=post_ms,
                        period_ms=period + pass_ms, grad_bytes=grad_bytes, buckets=buckets,
-                       steps=len(whole),
-                       meta=doc.get("otherData", {}))  # fmt: skip
+                       steps=len(whole), meta=meta)  # fmt: skip
 
 
 @dataclass(kw_only=True)

@@ -333,10 +333,11 @@ class RayGroup(
         if not self.config.timeline:
             return []
         self._flush()
-        actors = [*self.trainers, *self._all_copies()]
+        shards = self._all_copies()
+        actors = [*self.trainers, *shards]
         parts = self._robust(lambda: ray.get(
             [t.call.remote("take_trace") for t in self.trainers]
-            + [s.take_trace.remote() for s in self._all_copies()]))  # fmt: skip
+            + [s.take_trace.remote() for s in shards]))  # fmt: skip
         if not self.on_driver_node():
             here = ray.get_runtime_context().get_node_id()
             for actor, events in zip(actors, parts, strict=True):

@@ -119,6 +119,9 @@ def _served(method):
     """A shard request recorded as a timeline span (category "shard"; an ingest "ingest")
     when tracing."""
 
+    # ingests are few and kept; requests only where they meet a recorded step
+    cat = "ingest" if method.__name__ == "ingest" else "shard"
+
     @functools.wraps(method)
     def served(self, *args, **kwargs):
         if not self.tracer.enabled:
@@ -127,8 +130,6 @@ def _served(method):
         try:
             return method(self, *args, **kwargs)
         finally:
-            # ingests are few and kept; requests only where they meet a recorded step
-            cat = "ingest" if method.__name__ == "ingest" else "shard"
             self.tracer.record(method.__name__, t0, time.perf_counter(), cat, part=self.part)
 
     return served
