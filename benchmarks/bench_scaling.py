@@ -51,7 +51,7 @@ def config(args, backend: str, shards: int, trainers: int, threads: int) -> RunC
     })  # fmt: skip
 
 
-def measure(args, stream, backend, shards, trainers, threads) -> dict:
+def measure(args, stream, backend, shards, trainers, threads, repeat=0) -> dict:
     cfg = config(args, backend, shards, trainers, threads)
     set_determinism(cfg.seed, threads=threads)
     learner = ContinualLearner(cfg, stream, make_group)
@@ -81,7 +81,8 @@ def measure(args, stream, backend, shards, trainers, threads) -> dict:
         meta.update(events=val_start - warm, wall_s=wall, events_per_s=(val_start - warm) / wall,
                     steps=steps, machine=machine())  # fmt: skip
         name = f"trace_{backend}_P{shards}_W{trainers}_t{threads}_{args.compression}"
-        write_json(f"{name}{'_overlap' if args.overlap else ''}.json",
+        name += "_overlap" if args.overlap else ""
+        write_json(f"{name}{f'_r{repeat}' if args.repeats > 1 else ''}.json",
                    trace_document(trace, meta))  # fmt: skip
     return {"events_per_s": (val_start - warm) / wall, "ms_per_step": split, "steps": steps,
             "edge_skew": skew}  # fmt: skip
@@ -124,9 +125,9 @@ def main() -> None:
         if base not in configs:
             configs.insert(0, base)
     rows = {c: [] for c in configs}
-    for _ in range(args.repeats):  # round robin, so drift on the box touches every config
+    for i in range(args.repeats):  # round robin, so drift on the box touches every config
         for c in configs:
-            rows[c].append(measure(args, stream, *c))
+            rows[c].append(measure(args, stream, *c, repeat=i))
     ray.shutdown()
     base1 = statistics.median(r["events_per_s"] for r in rows[("local", 1, 1, 1)])
     base2 = statistics.median(r["events_per_s"] for r in rows[("local", 1, 1, 2)])
