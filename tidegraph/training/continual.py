@@ -51,7 +51,7 @@ from tidegraph.training.data import Stream, stream_for
 from tidegraph.training.group import LocalGroup
 from tidegraph.training.history import EventHistory
 from tidegraph.training.metrics import average_precision, link_metrics
-from tidegraph.training.progress import close_pass_bar, pass_bar, steps_shown
+from tidegraph.training.progress import begin_pass, close_pass_bar, pass_bar, steps_shown
 from tidegraph.training.records import RecordLog, cluster_record
 from tidegraph.training.sampling import NegativeSampler, build_replay
 from tidegraph.training.schedule import Cursor, Schedule, Unit
@@ -210,10 +210,9 @@ class ContinualLearner:
         at = self.cursor.unit
         todo = [self.schedule.unit(i) for i in range(at, at + first.parts)]
         ps = self.pass_state
-        bars = self.config.progress
-        progress = steps_shown(lambda i: pass_bar(ps, todo[i], len(batches[i][0]), bars))
+        progress = steps_shown(lambda i: pass_bar(ps, len(batches[i][0])))
+        begin_pass(ps, self.schedule, at, first, self.config.progress)
         if first.kind == "train":
-            ps.update(losses=[], loss_events=0, t_pass=time.perf_counter())
             batches = [self._train_inputs(u, ps) for u in todo]
             with self.group.tracer.span("train pass", steps=len(batches)):
                 losses = self.group.train_pass(batches, progress)
@@ -222,7 +221,6 @@ class ContinualLearner:
                 ps["loss_events"] += len(ev)
                 self.cursor.step += 1
         else:
-            ps.update(pos=[], neg=[], t_pass=time.perf_counter())
             batches = []
             for u in todo:
                 ev = self._events(u.lo, u.hi)
@@ -276,15 +274,14 @@ class ContinualLearner:
         ps["before"] = self.group.node_state()
 
     def _unit_train(self, u: Unit, ps: dict) -> None:
-        if u.part == 0:
-            ps.update(losses=[], loss_events=0, t_pass=time.perf_counter())
+        begin_pass(ps, self.schedule, self.cursor.unit, u, self.config.progress)
         ev, weight, neg, n_new = self._train_inputs(u, ps)
         # a Ray group answers with a pending loss: its steps queue up at the trainers while
         # the driver prepares the next ones; losses are read at the end of the pass
         ps["losses"].append((self.group.train_step(ev, weight, neg, n_new), len(ev)))
         ps["loss_events"] += len(ev)
         self.cursor.step += 1
-        pass_bar(ps, u, len(ev), self.config.progress)
+        pass_bar(ps, len(ev))
 
     def _unit_train_end(self, u: Unit, ps: dict) -> None:
         total = sum(_value(loss) * n for loss, n in ps.pop("losses"))
@@ -292,12 +289,11 @@ class ContinualLearner:
         ps["train_rate"] = close_pass_bar(ps, ps["loss_events"])
 
     def _unit_eval(self, u: Unit, ps: dict) -> None:
-        if u.part == 0:
-            ps.update(pos=[], neg=[], t_pass=time.perf_counter())
+        begin_pass(ps, self.schedule, self.cursor.unit, u, self.config.progress)
         p, n = self._eval_batch(self._events(u.lo, u.hi), observe=True)
         ps["pos"].append(p)
         ps["neg"].append(n)
-        pass_bar(ps, u, u.hi - u.lo, self.config.progress)
+        pass_bar(ps, u.hi - u.lo)
 
     def _unit_eval_end(self, u: Unit, ps: dict) -> None:
         close_pass_bar(ps, u.hi - u.lo)
