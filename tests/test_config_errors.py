@@ -31,6 +31,12 @@ BAD = [
     ({"cluster": {"faults": 3}}, ["cluster.faults", "a list"]),
     ({"cluster": {"trainer_gpus": 2}}, ["cluster.trainer_gpus", "(0, 1]", "2"]),
     ({"cluster": {"trainer_gpus": 0}}, ["cluster.trainer_gpus", "(0, 1]"]),
+    ({"cluster": {"trainer_resources": ["tg"]}}, ["cluster.trainer_resources", "a mapping"]),
+    ({"cluster": {"trainer_resources": {"tg": 0}}}, ["cluster.trainer_resources['tg']", "> 0"]),
+    ({"cluster": {"shard_resources": {"tg": "1"}}}, ["cluster.shard_resources['tg']", "'1'"]),
+    ({"cluster": {"shard_resources": {"tg": True}}}, ["cluster.shard_resources['tg']"]),
+    ({"cluster": {"shard_resources": {1: 1}}}, ["cluster.shard_resources", "names", "1"]),
+    ({"cluster": {"trainer_resources": {"CPU": 2}}}, ["cluster.trainer_resources", "trainer_cpus"]),
     ({"comm": {"adaptive_bits": [8, "x"]}}, ["comm.adaptive_bits[1]"]),
     ({"comm": {"error_feedback": "no"}}, ["comm.error_feedback"]),
     ({"seed": "zero"}, ["seed", "an integer"]),
@@ -160,3 +166,18 @@ def test_trainers_share_the_gpus_there_are(cluster, gpus, share):
 
     config = RunConfig.from_dict({"cluster": cluster})
     assert trainer_gpu_share(config.cluster, gpus) == pytest.approx(share)
+
+
+def test_bundles_carry_the_custom_resources():
+    """`cluster.trainer_resources` / `shard_resources` join each trainer's and shard actor's
+    bundle (spares, replacements, successors and resizes ask for the same bundles)."""
+    from tidegraph.orchestrator.placement import shard_bundle, trainer_bundle
+
+    raw = {"trainer_cpus": 0.5, "shard_cpus": 0.25, "trainer_resources": {"tg_trainer": 1},
+           "shard_resources": {"tg_shard": 0.5, "ssd": 1}}  # fmt: skip
+    c = RunConfig.from_dict({"cluster": {"backend": "ray", **raw}}).cluster
+    assert trainer_bundle(c) == {"CPU": 0.5, "tg_trainer": 1}
+    assert trainer_bundle(c, 0.5) == {"CPU": 0.5, "GPU": 0.5, "tg_trainer": 1}  # on CUDA
+    assert shard_bundle(c) == {"CPU": 0.25, "tg_shard": 0.5, "ssd": 1}
+    plain = RunConfig.from_dict({}).cluster
+    assert (trainer_bundle(plain), shard_bundle(plain)) == ({"CPU": 1.0}, {"CPU": 0.5})

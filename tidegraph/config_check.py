@@ -187,6 +187,8 @@ def _want(hint) -> str:
     if hint in _WORDS:
         return _WORDS[hint]
     origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is dict:
+        return "a mapping"
     if origin in (list, tuple) or hint in (list, tuple):
         if not args:
             return "a list"

@@ -2,7 +2,8 @@
 
 `connect(config)`: with `RAY_ADDRESS` set (a cluster, or inside `ray job submit`) join it;
 otherwise start a local Ray bound to 127.0.0.1 with enough logical CPUs for the run's actors
-(trainers x `trainer_cpus` + shards x `shard_cpus`, at least the machine's cores). Works with
+(trainers x `trainer_cpus` + shards x `shard_cpus`, at least the machine's cores, and the custom
+resources of `cluster.trainer_resources` and `shard_resources` as many times). Works with
 Ray's token authentication on or off (a local start makes its own token; a cluster's is read
 from the environment or ~/.ray as Ray does).
 """
@@ -41,29 +42,43 @@ def connect(config) -> bool:
     shards = c.shards * getattr(c, "shard_replicas", 1)
     need = math.ceil(trainers * c.trainer_cpus + shards * c.shard_cpus)
     cpus = max(os.cpu_count() or 1, need)
+    resources: dict[str, float] = {}  # custom ones, for every actor that asks
+    for count, asked in ((trainers, c.trainer_resources), (shards, c.shard_resources)):
+        for name, amount in asked.items():
+            resources[name] = resources.get(name, 0) + count * amount
+    resources = {k: math.ceil(v) for k, v in resources.items()}  # a node's are whole numbers
     ray.init(
-        _node_ip_address="127.0.0.1", num_cpus=cpus, namespace=namespace,
-        include_dashboard=False, configure_logging=False,
+        _node_ip_address="127.0.0.1", num_cpus=cpus, resources=resources or None,
+        namespace=namespace, include_dashboard=False, configure_logging=False,
     )  # fmt: skip
-    log.info("started a local Ray with %d logical CPUs (namespace %r)", cpus, namespace)
+    log.info("started a local Ray with %d logical CPUs%s (namespace %r)", cpus,
+             f" and {resources}" if resources else "", namespace)  # fmt: skip
     return True
 
 
-def loopback_cluster(worker_cpus: list[float], namespace: str, head_cpus: float = 1.0):
+def loopback_cluster(
+    worker_cpus: list[float],
+    namespace: str,
+    head_cpus: float = 1.0,
+    resources: list[dict] | None = None,
+):
     """Several Ray nodes on this machine, all on 127.0.0.1 (tests, benchmarks): a head with
     `head_cpus` and one worker per entry of `worker_cpus`, this process connected in
-    `namespace`. Returns (cluster, workers); stop with `ray.shutdown()`, `cluster.shutdown()`."""
+    `namespace`; `resources`: custom resources of the head, then of each worker (default
+    none). Returns (cluster, workers); stop with `ray.shutdown()`, `cluster.shutdown()`."""
     from ray.cluster_utils import Cluster
 
     if ray.is_initialized():
         ray.shutdown()
+    head, *each = resources or [{}] * (1 + len(worker_cpus))
     cluster = Cluster(
         initialize_head=True,
         head_node_args={"num_cpus": head_cpus, "node_ip_address": "127.0.0.1",
-                        "include_dashboard": False},
+                        "include_dashboard": False, "resources": head},
     )  # fmt: skip
     try:
-        workers = [cluster.add_node(num_cpus=c, node_ip_address="127.0.0.1") for c in worker_cpus]
+        workers = [cluster.add_node(num_cpus=c, node_ip_address="127.0.0.1", resources=r)
+                   for c, r in zip(worker_cpus, each, strict=True)]  # fmt: skip
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, namespace=namespace, configure_logging=False)
     except BaseException:

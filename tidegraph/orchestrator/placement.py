@@ -2,7 +2,9 @@
 
 Shards go in one SPREAD placement group (a bundle of `cluster.shard_cpus` each) or in slots of
 their own; each trainer has a PACK slot of its own (`cluster.trainer_cpus`, and a GPU on CUDA),
-so a resize or a replacement gives back or asks for exactly one trainer's resources. The
+so a resize or a replacement gives back or asks for exactly one trainer's resources. Every
+bundle carries the section's custom resources too (`cluster.trainer_resources`,
+`cluster.shard_resources`: which nodes may hold trainers, shards), and so does its actor. The
 helpers here read what the GCS knows: where a slot's bundles are, which nodes Ray is draining,
 whether an actor is alive; and turn an actor's failure in its constructor into the earliest
 `ValueError` behind it. Nothing here decides anything: the other parts of `RayGroup` ask.
@@ -30,6 +32,8 @@ __all__ = [
     "actor_of",
     "actor_state",
     "trainer_bounds",
+    "trainer_bundle",
+    "shard_bundle",
     "shard_bounds",
     "replica_count",
     "spare_count",
@@ -84,6 +88,17 @@ def trainer_gpu_share(c, cluster_gpus: float) -> float:
     if gpus < 1 or gpus >= slots:
         return 1.0
     return 1.0 / math.ceil(slots / gpus)
+
+
+def trainer_bundle(c, gpus: float = 0.0) -> dict:
+    """One trainer's bundle: `cluster.trainer_cpus`, its GPU share (`gpus`, on CUDA) and
+    `cluster.trainer_resources`."""
+    return {"CPU": c.trainer_cpus, **({"GPU": gpus} if gpus else {}), **c.trainer_resources}
+
+
+def shard_bundle(c) -> dict:
+    """One shard actor's bundle: `cluster.shard_cpus` and `cluster.shard_resources`."""
+    return {"CPU": c.shard_cpus, **c.shard_resources}
 
 
 def shard_bounds(c) -> tuple[int, int]:
@@ -141,9 +156,11 @@ class Placement:
     def _new_host(self, parts: list[int], slot: tuple, name: str):
         """A shard actor holding partitions `parts` (empty ones), in `slot`."""
         pg, bundle = slot
+        c = self.config.cluster
         return ShardHostActor.options(
-            name=name, num_cpus=self.config.cluster.shard_cpus, namespace=self.namespace,
-            lifetime=None, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, bundle),
+            name=name, num_cpus=c.shard_cpus, resources=dict(c.shard_resources),
+            namespace=self.namespace, lifetime=None,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, bundle),
         ).remote(self._runtime(min(parts, default=0)),
                  {p: self._part_args(p) for p in parts})  # fmt: skip
 
@@ -174,8 +191,8 @@ class Placement:
             try:
                 return TrainerActor.options(
                     name=f"tidegraph-trainer-{member}", num_cpus=c.trainer_cpus,
-                    num_gpus=self.trainer_gpus, namespace=self.namespace, lifetime=None,
-                    scheduling_strategy=where,
+                    num_gpus=self.trainer_gpus, resources=dict(c.trainer_resources),
+                    namespace=self.namespace, lifetime=None, scheduling_strategy=where,
                 ).remote(
                     self._runtime(w), raw, w, self.num_trainers if world is None else world,
                     self.shards, self.num_nodes if num_nodes is None else num_nodes,
@@ -203,7 +220,6 @@ class Placement:
         """Bounded wait for the shards' placement group and at least `min_trainers` trainer
         slots (then briefly for the rest); the slots placed, in order. The log and the error
         name what is missing."""
-        c = self.config.cluster
         deadline = time.monotonic() + self.placement_wait_s
         shards = self.shard_pg.ready()
         ready = {ref: pg for pg in self.slots for ref in [pg.ready()]}
@@ -219,16 +235,16 @@ class Placement:
                 return [pg for pg in self.slots if any(pg is q for q in placed)]
             log.info(
                 "waiting for resources: %d of %d..%d trainers x %s placed, %d shard actors x "
-                "{CPU: %s} %s; the cluster has %s available",
+                "%s %s; the cluster has %s available",
                 len(placed), self.min_trainers, self.max_trainers, trainer_bundle,
-                self.min_shards * self.num_copies, c.shard_cpus,
+                self.min_shards * self.num_copies, self.shard_bundle,
                 "placed" if shards not in pending else "not placed",
                 ray.available_resources(),
             )  # fmt: skip
         self.shutdown()
         raise PlacementTimeout(
             f"could not place {self.min_trainers} trainers x {trainer_bundle} and "
-            f"{self.min_shards * self.num_copies} shard actors x {{'CPU': {c.shard_cpus}}} "
+            f"{self.min_shards * self.num_copies} shard actors x {self.shard_bundle} "
             f"within {self.placement_wait_s:.0f} s "
             f"({len(placed)} trainers placed); available: {ray.available_resources()}"
         )

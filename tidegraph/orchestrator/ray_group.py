@@ -2,7 +2,8 @@
 
 Placement: shards in a SPREAD placement group (one bundle of `cluster.shard_cpus` each, on
 different nodes where there are several), trainers in a PACK group (one bundle of
-`cluster.trainer_cpus`, and a GPU on CUDA, each). The trainers rendezvous through a
+`cluster.trainer_cpus`, and a GPU on CUDA, each); every bundle with the custom resources of
+`cluster.shard_resources` / `trainer_resources`. The trainers rendezvous through a
 store in the driver's process and sum gradients with an all-reduce inside the step; the driver
 only routes events, hands out slices and passes each step's node-state updates (object refs,
 never copied through the driver) to every trainer, or to every shard when shards hold node
@@ -50,9 +51,11 @@ from tidegraph.orchestrator.placement import (
     draining_nodes,
     replica_count,
     shard_bounds,
+    shard_bundle,
     slot_table,
     spare_count,
     trainer_bounds,
+    trainer_bundle,
     trainer_gpu_share,
     value_error,
 )
@@ -130,8 +133,9 @@ class RayGroup(
         # the hosts there are and move between them as hosts come and go
         self.min_shards, self.max_shards = shard_bounds(c)
         self.shard_target = self.max_shards
+        self.shard_bundle = shard_bundle(c)  # every shard actor's slot: CPUs, resources
         self.shard_pg = placement_group(
-            [{"CPU": c.shard_cpus}] * (self.min_shards * self.num_copies), strategy="SPREAD"
+            [self.shard_bundle] * (self.min_shards * self.num_copies), strategy="SPREAD"
         )
         self.shard_spares: list[tuple] = []  # (placement group, bundle) with no host yet
         self.shard_joiners: dict[int, tuple] = {}  # id(slot's group): (slot, actor, answer)
@@ -142,8 +146,7 @@ class RayGroup(
         self.trainer_gpus = (
             trainer_gpu_share(c, ray.cluster_resources().get("GPU", 0)) if cuda else 0.0
         )
-        self.trainer_bundle = {"CPU": c.trainer_cpus,
-                               **({"GPU": self.trainer_gpus} if cuda else {})}  # fmt: skip
+        self.trainer_bundle = trainer_bundle(c, self.trainer_gpus)
         self.target = self.max_trainers
         # the minimum first: slots beyond it, asked for at once, could take the room the
         # shards need (Ray may place later groups first when resources free up)

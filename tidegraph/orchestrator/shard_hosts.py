@@ -51,8 +51,9 @@ class ShardHosts:
         want = spare_slots(self.shard_target, have, len(self.shard_joiners))
         free = self._free_bundles() if started else []
         while len(self.shard_spares) < want:  # bundles of the SPREAD group no actor uses first
-            slot = (self.shard_pg, free.pop(0)) if free else \
-                (placement_group([{"CPU": self.config.cluster.shard_cpus}]), 0)  # fmt: skip
+            slot = (
+                (self.shard_pg, free.pop(0)) if free else (placement_group([self.shard_bundle]), 0)
+            )
             self.shard_spares.append(slot)
         while len(self.shard_spares) > want:
             pg, _ = self.shard_spares.pop()

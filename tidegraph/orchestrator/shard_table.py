@@ -101,7 +101,7 @@ class ShardTable:
         wanted = self.num_copies - 1 - len(self.replicas[p])
         starting = self.replica_successors.setdefault(p, [])
         while len(starting) < wanted:
-            slot = placement_group([{"CPU": self.config.cluster.shard_cpus}])
+            slot = placement_group([self.shard_bundle])
             serial = len(self.shard_moves) + sum(map(len, self.replica_successors.values()))
             name = f"tidegraph-shard-{p}-r{self.recoveries_left}-{serial}"
             actor = self._new_shard(p, (slot, 0), name=name)
@@ -171,7 +171,7 @@ class ShardTable:
             node = nodes[p]
             successor = self.shard_successors.get(p)
             if successor is None:
-                slot = placement_group([{"CPU": self.config.cluster.shard_cpus}])
+                slot = placement_group([self.shard_bundle])
                 serial = len(self.shard_moves) + len(self.shard_successors) + 1
                 actor = self._new_shard(p, (slot, 0), name=f"tidegraph-shard-{p}-{serial}")
                 self.shard_successors[p] = (slot, actor, actor.ping.remote())

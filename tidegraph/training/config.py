@@ -201,6 +201,19 @@ BACKENDS = ("local", "ray")
 FAULT_POINTS = ("forward", "allreduce", "after_step")
 
 
+def _check_resources(name: str, resources: dict) -> None:
+    """Ray custom resources: {name: amount}, names other than CPU and GPU, amounts > 0."""
+    for key, amount in resources.items():
+        if not isinstance(key, str) or not key or key in ("CPU", "GPU"):
+            raise ValueError(
+                f"{name}: resource names must be strings other than CPU and GPU (set those "
+                f"with cluster.trainer_cpus, shard_cpus, trainer_gpus), got {key!r}"
+            )
+        number = isinstance(amount, int | float) and not isinstance(amount, bool)
+        if not (number and 0 < amount < float("inf")):
+            raise ValueError(f"{name}[{key!r}] must be a finite number > 0, got {amount!r}")
+
+
 @dataclass(kw_only=True)
 class ClusterConfig:
     """Shards and trainers: P graph shards, W data-parallel trainers (DESIGN.md)."""
@@ -245,6 +258,14 @@ class ClusterConfig:
     # (1 / trainers per GPU, rounded up), so 2 trainers run on a one-GPU machine
     trainer_gpus: float | None = None
     collective_timeout_s: float = 120.0
+    # Ray custom resources added to each trainer's and each shard actor's bundle (ray
+    # backend), as Ray Train's resources_per_worker: {"tg_trainer": 1} places trainers only
+    # on nodes started with `--resources='{"tg_trainer": N}'`. Names are Ray resource names
+    # (not CPU or GPU: trainer_cpus, shard_cpus and trainer_gpus set those), amounts > 0. A
+    # local Ray started for the run offers what its actors ask for; the local backend has no
+    # bundles and ignores them. They do not change results
+    trainer_resources: dict[str, float] = field(default_factory=dict)
+    shard_resources: dict[str, float] = field(default_factory=dict)
     # trainers sample shards on their own node in place, over the shards' segments in Ray's
     # object store (zero-copy); shards on other nodes answer requests
     local_sampling: bool = True
@@ -314,6 +335,8 @@ class ClusterConfig:
         for name in ("trainer_cpus", "shard_cpus", "collective_timeout_s", "elastic_poll_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"cluster.{name} must be > 0, got {getattr(self, name)}")
+        for name in ("trainer_resources", "shard_resources"):
+            _check_resources(f"cluster.{name}", getattr(self, name))
 
     def _bounds(self, field: str) -> None:
         """`<field>: {min, max}` (or an int n: min = max = n) to `min_<field>`, `max_<field>`
