@@ -51,40 +51,55 @@ def config(args, backend: str, shards: int, trainers: int, threads: int) -> RunC
     })  # fmt: skip
 
 
-def measure(args, stream, backend, shards, trainers, threads, repeat=0) -> dict:
-    cfg = config(args, backend, shards, trainers, threads)
-    set_determinism(cfg.seed, threads=threads)
+def timed_pass(cfg: RunConfig, stream, warmup: int, counters=None) -> dict:
+    """A fresh learner of `cfg` ingests phase 1 of `stream`, trains an untimed warm-up pass
+    over its first `warmup` training events (at most half), then one timed pass over the
+    rest. `counters()`, read right before and after the timed pass (a link's byte counts),
+    gives `before` and `after`. Returns those, wall_s, events, steps, the trainers' seconds
+    per phase, sampled edges per step, the timed pass's trace and its `timeline_meta`."""
+    set_determinism(cfg.seed, threads=cfg.threads)
     learner = ContinualLearner(cfg, stream, make_group)
     try:
         val_start, end = phase1_bounds(len(stream.events), cfg.continual)
         learner.ingest(0, end)
-        warm = min(args.warmup, val_start // 2)
+        if cfg.comm.compression != "none":  # past the fp32 steps and the codec's first use
+            warmup = max(warmup, (cfg.comm.warmup_steps + 5) * cfg.train.batch_size)
+        warm = min(warmup, val_start // 2)
         train_pass(learner, 0, warm, "warm-up")
         learner.group.take_seconds()
         learner.group.take_step_edges()
         learner.group.take_trace()  # the warm-up's spans
+        before = counters() if counters else None
         t0 = time.perf_counter()
         train_pass(learner, warm, val_start, "timed")
         wall = time.perf_counter() - t0
-        seconds = learner.group.take_seconds()
-        edges = learner.group.take_step_edges()
-        trace = learner.group.take_trace()
-        meta = timeline_meta(cfg, learner.group)
+        after = counters() if counters else None
+        g = learner.group
+        return {"wall_s": wall, "events": val_start - warm,
+                "steps": -(-(val_start - warm) // cfg.train.batch_size),
+                "seconds": g.take_seconds(), "edges": g.take_step_edges(),
+                "trace": g.take_trace(), "meta": timeline_meta(cfg, g),
+                "before": before, "after": after}  # fmt: skip
     finally:
         learner.group.shutdown()
-    steps = -(-(val_start - warm) // args.batch_size)
+
+
+def measure(args, stream, backend, shards, trainers, threads, repeat=0) -> dict:
+    cfg = config(args, backend, shards, trainers, threads)
+    run = timed_pass(cfg, stream, args.warmup)
+    wall, steps, seconds, meta = run["wall_s"], run["steps"], run["seconds"], run["meta"]
     split = {p: statistics.mean(s.get(p, 0.0) for s in seconds) / steps * 1e3 for p in PHASES}
     split["other"] = wall / steps * 1e3 - sum(split.values())
     # per step, the busiest trainer's sampled edges over the mean (1.0: balanced)
-    skew = statistics.mean(max(e) / statistics.mean(e) for e in zip(*edges, strict=True))
+    skew = statistics.mean(max(e) / statistics.mean(e) for e in zip(*run["edges"], strict=True))
     if args.timeline:  # the timed pass's timeline, with what was measured beside it
-        meta.update(events=val_start - warm, wall_s=wall, events_per_s=(val_start - warm) / wall,
+        meta.update(events=run["events"], wall_s=wall, events_per_s=run["events"] / wall,
                     steps=steps, machine=machine())  # fmt: skip
         name = f"trace_{backend}_P{shards}_W{trainers}_t{threads}_{args.compression}"
         name += "_overlap" if args.overlap else ""
         write_json(f"{name}{f'_r{repeat}' if args.repeats > 1 else ''}.json",
-                   trace_document(trace, meta))  # fmt: skip
-    return {"events_per_s": (val_start - warm) / wall, "ms_per_step": split, "steps": steps,
+                   trace_document(run["trace"], meta))  # fmt: skip
+    return {"events_per_s": run["events"] / wall, "ms_per_step": split, "steps": steps,
             "edge_skew": skew}  # fmt: skip
 
 
