@@ -32,6 +32,7 @@ __all__ = [
     "clock_offset",
     "keep_overlapping",
     "load_trace",
+    "payload_bytes",
     "shift",
     "timeline_meta",
     "trace_document",
@@ -111,6 +112,16 @@ class Tracer:
 
     def process_name(self) -> str:
         return f"{self.process or self.name} (pid {self.pid})"
+
+
+def payload_bytes(obj) -> int:
+    """Bytes of the tensors in `obj` (nested dicts, lists and tuples): what a message of it
+    carries, for a span's args."""
+    if isinstance(obj, dict):
+        return sum(payload_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(payload_bytes(v) for v in obj)
+    return obj.numel() * obj.element_size() if hasattr(obj, "element_size") else 0
 
 
 def wall_us() -> float:

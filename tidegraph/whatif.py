@@ -4,31 +4,37 @@ tidegraph's data-parallel step).
 A step of W data-parallel trainers is a small dependency graph, which the recorded timeline
 (`tidegraph.timeline`) measures span by span on every rank:
 
-    per rank r: sample -> fetch -> forward -> updates -> backward      (compute_r, local)
-    all ranks:  all-reduce of the gradient (waits for the slowest rank, then the ring)
-    all ranks:  exchange of node-state updates, optimizer, apply, the pass loop   (post)
+    per rank r: sample -> fetch -> forward -> updates        (phase A, local)
+    all ranks:  the node-state exchange starts: an all-gather (waits for the slowest A)
+    per rank r: backward                                     (phase B, local)
+    all ranks:  all-reduce of the gradient (waits for the slowest B), the exchange's end
+    per rank r: optimizer, apply; then the trainer's loop to the next step and the pass's
+                own cost (dispatch, results) per step
 
-so the step takes max_r compute_r + all-reduce + post, and with `comm.overlap` the all-reduce
-starts during backward. `profile` reads that from a trace:
+so a step takes max_r A_r + exchange + max_r B_r + all-reduce + optimizer/apply, and a pass
+adds what lies between steps. `profile` reads each of these from a trace (means over the
+recorded steps; a one-off step, such as a kernel's compile, counts between steps):
 
-- compute per span as a + b * (slice events), least squares over the recorded steps (slices
-  differ: a pass's last batch, replayed events in retraining, the balancer's cuts), and the
-  ratio of the slowest rank's compute to the mean (stragglers);
-- the link: the pure all-reduce time of a step is the last-arriving rank's span (it waits for
-  nobody); with the exchange's pure time (small messages: latency) this gives the ring's
-  latency alpha and bandwidth beta (T = 2(W-1) alpha + 2(W-1)/W bytes / beta);
-- the rest of the period (post) per step, with the exchange's share apart.
+- compute per span and rank as a + b * (slice events); the slowest rank of each phase over
+  the mean (stragglers, twice a step: one barrier after each phase);
+- the pure all-reduce and exchange: the last-arriving rank's spans (it waits for nobody);
+- the rest of the step, and the period beyond it (the loop, a pass's cost per step).
 
-`predict` rebuilds the step for W' trainers (global batch kept, or grown with W' under
-`scale_rule: linear`), a link of B Gbit/s and L us latency, compression (bytes per value and
-the codec's time, measured here on the gradient's size) and overlap, and names the span on
-the critical path that takes longest. Assumptions (stated in `Prediction.assumptions`): one
-trainer per core or GPU (no sharing), stragglers as recorded, the shards not a bottleneck.
+One recorded run fixes all of this at one W. `calibrate` pools several recorded runs of the
+same job (other W, other compression): compute's fixed part needs two slice sizes (one run
+has one, but for a pass's last batch), and the costs that grow with W (the apply of W
+slices' updates, the pass's per-trainer dispatch) need two W. `predict` rebuilds the step for
+W' trainers (global batch kept, or grown with W' under `scale_rule: linear`), a link of B
+Gbit/s and L us latency, compression (bytes per value, and the codec's time: taken from a
+recorded compressed run, else measured here) and overlap, and names the span on the critical
+path that takes longest. Assumptions (stated in `Prediction.assumptions`): one trainer per
+core or GPU (no sharing), stragglers spread as recorded, the shards not a bottleneck.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 import time
 from collections import defaultdict
@@ -36,27 +42,37 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["COMPUTE", "Prediction", "Setting", "StepProfile", "codec_seconds", "predict",
-           "profile"]  # fmt: skip
+__all__ = ["PHASE_A", "PHASE_B", "Model", "Prediction", "Setting", "StepProfile", "calibrate",
+           "codec_seconds", "predict", "profile"]  # fmt: skip
 
-COMPUTE = ("sample", "fetch", "forward", "updates", "backward")  # a rank's local spans
+PHASE_A = ("sample", "fetch", "forward", "updates")  # a rank's spans before the exchange
+PHASE_B = ("backward",)  # between the exchange's start and the all-reduce
+ONE_OFF = 5.0  # a recorded step this many times the median is a one-off (see `profile`)
 BITS = {"none": 32, "q8": 8, "q4": 4, "adaptive": 4}  # adaptive: its narrowest default
 
 
 @dataclass
 class StepProfile:
-    """What a recorded timeline says about a training step (times in milliseconds)."""
+    """What a recorded timeline says about a training step (times in milliseconds; means
+    over the recorded steps with every rank recorded, one-offs left out)."""
 
     world: int
-    global_batch: float  # mean events of a recorded step
+    global_batch: float  # events of a step
+    slice_events: float  # a rank's mean slice
+    span_ms: dict[str, float]  # a rank's mean time per compute span
     fit: dict[str, tuple[float, float]]  # span -> (a, b): ms = a + b * slice events
-    straggle: float  # mean over steps of max_r compute_r / mean_r compute_r
-    allreduce_ms: float  # pure all-reduce per step (mean of the last arriver's span)
-    exchange_ms: float  # pure exchange per step
-    post_ms: float  # the period after the all-reduce (exchange, a pass's own cost per step)
-    period_ms: float  # mean time between a rank's step starts, plus a pass's cost per step
+    spread_a: float  # slowest rank's phase A over the mean (1: none)
+    spread_b: float  # the same for phase B
+    allreduce_ms: float  # pure all-reduce (the last arriver's span)
+    exchange_ms: float  # pure exchange (the last arriver's spans)
+    exchange_bytes: float  # a rank's node-state updates a step (0: not recorded)
+    tail_ms: float  # the step after the all-reduce and exchange: optimizer, apply
+    beyond_ms: float  # the period beyond the mean step: the loop, the pass's own cost
+    period_ms: float  # a step's share of the wall time
     grad_bytes: int  # the gradient in fp32
+    bits: int  # bits a value on the wire (32: fp32)
     buckets: int
+    overlap: bool
     steps: int
     meta: dict = dataclasses.field(default_factory=dict)
 
@@ -64,39 +80,63 @@ class StepProfile:
     def events_per_s(self) -> float:
         return self.global_batch / self.period_ms * 1e3
 
+    @property
+    def step_ms(self) -> float:
+        return self.period_ms - self.beyond_ms
+
 
 def _fit(points: list[tuple[float, float]]) -> tuple[float, float]:
-    """Least squares a + b x; one distinct x: b = 0 (no slope can be read)."""
+    """Least squares a + b x with a, b >= 0 (a span neither gets cheaper with more events
+    nor costs less than nothing); one distinct x: b = 0 (no slope can be read)."""
     xs = [x for x, _ in points]
+    my = statistics.fmean(y for _, y in points)
     if len(set(xs)) < 2:
-        return statistics.median(y for _, y in points), 0.0
-    mx, my = statistics.fmean(xs), statistics.fmean(y for _, y in points)
+        return my, 0.0
+    mx = statistics.fmean(xs)
     sxx = sum((x - mx) ** 2 for x in xs)
     b = sum((x - mx) * (y - my) for x, y in points) / sxx
+    if b < 0:
+        return my, 0.0
+    if my - b * mx < 0:  # through the origin
+        return 0.0, sum(x * y for x, y in points) / sum(x * x for x in xs)
     return my - b * mx, b
 
 
-def _ring_ms(world: int, nbytes: float, alpha_ms: float, beta_gbps: float) -> float:
+def _share(world: int) -> float:
+    """A ring all-reduce's (and an all-gather's) bytes per rank, over the whole tensor."""
+    return (world - 1) / world
+
+
+def _expected_max(world: int) -> float:
+    """E[max of `world` standard normal draws] (Blom's approximation): how far the slowest
+    of W ranks lies above the mean, in standard deviations."""
     if world < 2:
         return 0.0
-    wire = 2 * (world - 1) / world * nbytes * 8 / (beta_gbps * 1e9) * 1e3
-    return 2 * (world - 1) * alpha_ms + wire
+    return statistics.NormalDist().inv_cdf((world - 0.375) / (world + 0.25))
+
+
+def _trainer_steps(doc: dict) -> dict:
+    """step -> rank track -> span name -> [events], the training steps of trainer tracks."""
+    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in doc["traceEvents"]
+             if e.get("ph") == "M" and e["name"] == "thread_name"}  # fmt: skip
+    steps: dict = defaultdict(lambda: defaultdict(dict))
+    for e in doc["traceEvents"]:
+        a = e.get("args", {})
+        if e.get("ph") != "X" or e.get("cat") != "step" or a.get("pass") != "train":
+            continue
+        if names.get((e["pid"], e["tid"]), "").startswith("trainer"):
+            steps[a["step"]][(e["pid"], e["tid"])].setdefault(e["name"], []).append(e)
+    return steps
+
+
+def _ms(spans: dict, name: str) -> float:
+    return sum(e["dur"] for e in spans.get(name, ())) / 1e3
 
 
 def profile(doc: dict) -> StepProfile:
     """The `StepProfile` of a trace document (`timeline.load_trace`), from its training steps
     with every rank recorded."""
-    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in doc["traceEvents"]
-             if e.get("ph") == "M" and e["name"] == "thread_name"}  # fmt: skip
-    steps: dict = defaultdict(lambda: defaultdict(dict))  # step -> rank track -> span -> [..]
-    for e in doc["traceEvents"]:
-        a = e.get("args", {})
-        if e.get("ph") != "X" or e.get("cat") != "step" or a.get("pass") != "train":
-            continue
-        track = names.get((e["pid"], e["tid"]), "")
-        if not track.startswith("trainer"):
-            continue
-        steps[a["step"]][(e["pid"], e["tid"])].setdefault(e["name"], []).append(e)
+    steps = _trainer_steps(doc)
     world = max((len(ranks) for ranks in steps.values()), default=0)
     whole = {s: r for s, r in steps.items() if len(r) == world and all(
         "step" in spans and "forward" in spans for spans in r.values())}  # fmt: skip
@@ -104,62 +144,126 @@ def profile(doc: dict) -> StepProfile:
         raise ValueError("what-if: the trace holds no training step recorded on every trainer "
                          "(record with --timeline on the ray backend)")  # fmt: skip
     points: dict = defaultdict(list)
-    straggle, pure_ar, pure_ex, batch, buckets = [], [], [], [], 1
-    starts: dict = defaultdict(list)
+    per_step: dict = defaultdict(list)  # quantity -> one value per step
+    sizes: list[float] = []
+    bits, nbytes = [32], 0.0
     for _, ranks in sorted(whole.items()):
-        compute = []
-        for track, spans in ranks.items():
+        a_ms, b_ms, step_ms = [], [], []
+        for spans in ranks.values():
             n = spans["forward"][0]["args"]["events"]
-            total = 0.0
-            for name in COMPUTE:
-                ms = sum(e["dur"] for e in spans.get(name, [])) / 1e3
-                points[name].append((n, ms))
-                total += ms
-            compute.append(total)
-            starts[track].append(spans["step"][0]["ts"])
-        straggle.append(max(compute) / max(statistics.fmean(compute), 1e-9))
-        batch.append(ranks[next(iter(ranks))]["step"][0]["args"]["global_size"])
-        if world > 1:
-            ar = [spans["allreduce"][0] for spans in ranks.values()]
-            pure_ar.append(min(e["dur"] for e in ar) / 1e3)
-            buckets = max(buckets, len(ar[0]["args"].get("bits", [1])))
-            ex = [sum(e["dur"] for e in spans.get("exchange", [])) for spans in ranks.values()]
-            pure_ex.append(min(ex) / 1e3)
-    # the mean period, spikes included (a pass's wall time is their sum): between a rank's
-    # consecutive recorded steps of one pass (the driver's pass spans; none: one pass)
-    passes = [e for e in doc["traceEvents"] if e.get("ph") == "X" and e["name"] == "train pass"]
-    order = sorted(whole)  # each track's starts were appended in this order
-    total_us, total_steps = 0.0, 0
-    for ts in starts.values():
-        for i in range(len(ts) - 1):
-            t0, t1 = ts[i], ts[i + 1]
-            if passes and not any(p["ts"] <= t0 and t1 <= p["ts"] + p["dur"] for p in passes):
-                continue
-            total_us += t1 - t0
-            total_steps += order[i + 1] - order[i]
-    period = total_us / total_steps / 1e3 if total_steps else float("nan")
-    fit = {name: _fit(pts) for name, pts in points.items()}
-    # what a pass costs beside its steps (dispatch, the first step's inputs, results), per
-    # step: the driver's "train pass" spans, or the wall time a benchmark measured
+            sizes.append(n)
+            for name in (*PHASE_A, *PHASE_B):
+                points[name].append((n, _ms(spans, name)))
+            a_ms.append(sum(_ms(spans, k) for k in PHASE_A))
+            b_ms.append(sum(_ms(spans, k) for k in PHASE_B))
+            step_ms.append(_ms(spans, "step"))
+        any_rank = next(iter(ranks.values()))
+        per_step["batch"].append(any_rank["step"][0]["args"]["global_size"])
+        per_step["spread_a"].append(max(a_ms) / max(statistics.fmean(a_ms), 1e-9))
+        per_step["spread_b"].append(max(b_ms) / max(statistics.fmean(b_ms), 1e-9))
+        ar = min((_ms(s, "allreduce") for s in ranks.values()), default=0.0) if world > 1 else 0
+        ex = min(_ms(s, "exchange") for s in ranks.values()) if world > 1 else 0.0
+        per_step["allreduce"].append(ar)
+        per_step["exchange"].append(ex)
+        per_step["step"].append(statistics.fmean(step_ms))
+        per_step["tail"].append(statistics.fmean(step_ms) - max(a_ms) - max(b_ms) - ar - ex)
+        if world > 1 and "allreduce" in any_rank:
+            bits = any_rank["allreduce"][0]["args"].get("bits", bits)
+        gathers = [e for e in any_rank.get("exchange", ()) if "bytes" in e.get("args", {})]
+        nbytes = max(nbytes, sum(e["args"]["bytes"] for e in gathers))
+    # one-off steps (a pass's first, a kernel's compile, a pause) are not what a step's spans
+    # cost: a step over ONE_OFF x the median counts as a median one in them, and its excess
+    # stays in the period (between steps: a pass has such costs, per pass or per run)
+    typical = statistics.median(per_step["step"])
+    off = {i for i, ms in enumerate(per_step["step"]) if ms > ONE_OFF * typical}
+    med = {}
+    for k, v in per_step.items():
+        mid = statistics.median(v)
+        med[k] = statistics.fmean(mid if i in off else x for i, x in enumerate(v))
     meta = doc.get("otherData", {})
-    wall_ms, n_steps = None, None
-    if passes:
-        wall_ms = sum(e["dur"] for e in passes) / 1e3
-        n_steps = sum(e["args"].get("steps", 0) for e in passes)
-    elif "wall_s" in meta and "steps" in meta:
-        wall_ms, n_steps = meta["wall_s"] * 1e3, meta["steps"]
-    pass_ms = max(wall_ms / n_steps - period, 0.0) if n_steps else 0.0
-    g = statistics.fmean(batch)
-    n_mean = g / world
-    compute_ms = sum(a + b * n_mean for a, b in fit.values()) * statistics.fmean(straggle)
-    ar_ms = statistics.fmean(pure_ar) if pure_ar else 0.0
-    ex_ms = statistics.fmean(pure_ex) if pure_ex else 0.0
-    post_ms = max(period - compute_ms - ar_ms, 0.0) + pass_ms
-    grad_bytes = 4 * int(meta.get("grad_values", 0))
-    return StepProfile(world=world, global_batch=g, fit=fit, straggle=statistics.fmean(straggle),
-                       allreduce_ms=ar_ms, exchange_ms=ex_ms, post_ms=post_ms,
-                       period_ms=period + pass_ms, grad_bytes=grad_bytes, buckets=buckets,
-                       steps=len(whole), meta=meta)  # fmt: skip
+    period = _period_ms(doc, whole)
+    fit = {name: _fit(pts) for name, pts in points.items()}
+    span_ms = {name: statistics.fmean(y for _, y in pts) for name, pts in points.items()}
+    return StepProfile(
+        world=world, global_batch=statistics.fmean(per_step["batch"]),
+        slice_events=statistics.fmean(sizes), span_ms=span_ms, fit=fit,
+        spread_a=med["spread_a"], spread_b=med["spread_b"], allreduce_ms=med["allreduce"],
+        exchange_ms=med["exchange"], exchange_bytes=nbytes, tail_ms=max(med["tail"], 0.0),
+        beyond_ms=max(period - med["step"], 0.0), period_ms=period,
+        grad_bytes=4 * int(meta.get("grad_values", 0)), bits=min(bits), buckets=len(bits),
+        overlap=bool(meta.get("overlap", False)), steps=len(whole), meta=meta,
+    )  # fmt: skip
+
+
+def _period_ms(doc: dict, whole: dict) -> float:
+    """A step's share of the wall time: the driver's "train pass" spans over their steps, or
+    the wall time a benchmark measured (otherData wall_s, steps), else the mean time between
+    a rank's consecutive recorded steps."""
+    meta = doc.get("otherData", {})
+    passes = [e for e in doc["traceEvents"] if e.get("ph") == "X" and e["name"] == "train pass"]
+    n_steps = sum(e["args"].get("steps", 0) for e in passes)
+    if n_steps:
+        return sum(e["dur"] for e in passes) / 1e3 / n_steps
+    if meta.get("wall_s") and meta.get("steps"):
+        return meta["wall_s"] * 1e3 / meta["steps"]
+    order = sorted(whole)
+    starts = defaultdict(list)
+    for s in order:
+        for track, spans in whole[s].items():
+            starts[track].append(spans["step"][0]["ts"])
+    total_us = sum(ts[-1] - ts[0] for ts in starts.values())
+    total_steps = (order[-1] - order[0]) * len(starts)
+    return total_us / total_steps / 1e3 if total_steps else float("nan")
+
+
+@dataclass
+class Model:
+    """Recorded runs of one job pooled into a cost model (`calibrate`); `base` is the run
+    whose settings a prediction keeps unless told otherwise."""
+
+    base: StepProfile
+    fit: dict[str, tuple[float, float]]  # compute per span: ms = a + b * slice events
+    cv_a: float  # a rank's phase-A time: standard deviation over the mean
+    cv_b: float
+    allreduce_ms: float  # the fp32 all-reduce's cost on the recorded link at share 1
+    exchange_ms: float  # the exchange's at share 1
+    tail: tuple[float, float]  # ms = u + v * W
+    beyond: tuple[float, float]
+    codec_ms: dict[int, float]  # bits -> the codec's ms a step at share 1, from a recorded run
+    notes: list[str]
+
+
+def calibrate(profiles: list[StepProfile]) -> Model:
+    """The cost model of `profiles` (the first is the base): see the module docstring."""
+    base, notes = profiles[0], []
+    sizes = {round(p.slice_events, 1) for p in profiles}
+    if len(sizes) > 1:
+        fit = {k: _fit([(p.slice_events, p.span_ms[k]) for p in profiles if k in p.span_ms])
+               for k in base.span_ms}  # fmt: skip
+        notes.append(f"compute fitted over {len(sizes)} slice sizes")
+    else:
+        fit = base.fit
+        notes.append("compute fitted within one run (one slice size but a pass's last batch: "
+                     "its fixed part is uncertain; add a run at another W)")  # fmt: skip
+    multi = [p for p in profiles if p.world > 1]
+    cv_a = statistics.fmean([(p.spread_a - 1) / _expected_max(p.world) for p in multi] or [0])
+    cv_b = statistics.fmean([(p.spread_b - 1) / _expected_max(p.world) for p in multi] or [0])
+    plain = [p for p in multi if p.bits == 32 and not p.overlap] or multi
+    ar = statistics.fmean([p.allreduce_ms / _share(p.world) * 32 / p.bits for p in plain] or [0])
+    ex = statistics.fmean([p.exchange_ms / _share(p.world) for p in multi] or [0])
+    codec = {}
+    for p in multi:
+        if p.bits < 32 and not p.overlap:  # what the compressed all-reduce costs beyond bytes
+            extra = p.allreduce_ms / _share(p.world) - ar * p.bits / 32
+            codec.setdefault(p.bits, []).append(max(extra, 0.0))
+    worlds = {p.world for p in profiles}
+    line = lambda key: _fit([(p.world, getattr(p, key)) for p in profiles])  # noqa: E731
+    if len(worlds) < 2:
+        notes.append("costs that grow with W (apply, dispatch) read at one W only")
+    return Model(base=base, fit=fit, cv_a=cv_a, cv_b=cv_b, allreduce_ms=ar, exchange_ms=ex,
+                 tail=line("tail_ms"), beyond=line("beyond_ms"),
+                 codec_ms={b: statistics.fmean(v) for b, v in codec.items()},
+                 notes=notes)  # fmt: skip
 
 
 @dataclass(kw_only=True)
@@ -183,7 +287,7 @@ class Setting:
 
 @dataclass
 class Prediction:
-    step_ms: float
+    step_ms: float  # a step's share of the wall time (the period)
     events_per_s: float
     path: list[tuple[str, float]]  # the critical path's spans, in order, ms
     bottleneck: str
@@ -193,87 +297,98 @@ class Prediction:
 _codec_cache: dict = {}
 
 
-def codec_seconds(values: int, bits: int) -> float:
+def codec_seconds(values: int, bits: int, threads: int | None = None) -> float:
     """Seconds to encode and decode `values` gradient values at `bits` on this machine (the
-    stochastic-rounding codec the trainers use), measured once per size."""
-    key = (values, bits)
+    stochastic-rounding codec the trainers use: compiled kernels, eager torch where they
+    cannot compile) with `threads` torch threads (a trainer's), measured once per size."""
+    key = (values, bits, threads)
     if key not in _codec_cache and values:
-        from tidegraph.comm.quantize import dequantize, quantize
-
-        x = torch.randn(values)
-        gen = torch.Generator().manual_seed(0)
-        dequantize(quantize(x, bits, generator=gen, codec="eager"), codec="eager")  # warm
-        t0 = time.perf_counter()
-        for _ in range(3):
-            dequantize(quantize(x, bits, generator=gen, codec="eager"), codec="eager")
-        _codec_cache[key] = (time.perf_counter() - t0) / 3
+        before = torch.get_num_threads()
+        if threads:
+            torch.set_num_threads(threads)
+        try:
+            _measure_codec(key)
+        finally:
+            torch.set_num_threads(before)
     return _codec_cache.get(key, 0.0)
 
 
-def _expected_max(world: int) -> float:
-    """E[max of `world` standard normal draws] (Blom's approximation): how far the slowest
-    of W ranks' compute lies above the mean, in standard deviations."""
-    if world < 2:
+def _measure_codec(key: tuple) -> None:
+    from tidegraph.comm.quantize import dequantize, quantize
+
+    values, bits, _ = key
+    x = torch.randn(values)
+    gen = torch.Generator().manual_seed(0)
+    for codec in ("compiled", "eager"):
+        try:  # the first call compiles (or fails to)
+            dequantize(quantize(x, bits, generator=gen, codec=codec), codec=codec)
+        except RuntimeError:
+            continue
+        t0 = time.perf_counter()
+        for _ in range(3):
+            dequantize(quantize(x, bits, generator=gen, codec=codec), codec=codec)
+        _codec_cache[key] = (time.perf_counter() - t0) / 3
+        return
+
+
+def _wire_ms(nbytes: float, messages: int, s: Setting) -> float:
+    """`nbytes` and `messages` over the setting's link (0 on the recorded one)."""
+    if s.link_gbps is None and s.link_latency_us is None:
         return 0.0
-    from statistics import NormalDist
+    gbps = s.link_gbps if s.link_gbps is not None else math.inf
+    return messages * (s.link_latency_us or 0.0) / 1e3 + nbytes * 8 / (gbps * 1e9) * 1e3
 
-    return NormalDist().inv_cdf((world - 0.375) / (world + 0.25))
 
-
-def predict(p: StepProfile, s: Setting) -> Prediction:
-    """The step of `p` under setting `s` (see the module's docstring)."""
-    W, R = s.trainers, p.world
-    batch = p.global_batch * (W / R if s.scale_rule == "linear" else 1.0)
+def predict(m: Model | StepProfile, s: Setting) -> Prediction:
+    """The step of `m` (a `Model`, or one profile) under setting `s`."""
+    m = calibrate([m]) if isinstance(m, StepProfile) else m
+    p, W = m.base, s.trainers
+    batch = p.global_batch * (W / p.world if s.scale_rule == "linear" else 1.0)
     n = batch / W
-    # stragglers: the recorded spread of a rank's compute, as the max of W draws
-    cv = (p.straggle - 1) / _expected_max(R) if R > 1 else 0.0
-    straggle = 1 + cv * _expected_max(W)
-    parts = {name: max(a + b * n, 0.0) * straggle for name, (a, b) in p.fit.items()}
+    span = {k: max(a + b * n, 0.0) for k, (a, b) in m.fit.items()}
+    phase_a = sum(span.get(k, 0.0) for k in PHASE_A) * (1 + m.cv_a * _expected_max(W))
+    phase_b = sum(span.get(k, 0.0) for k in PHASE_B) * (1 + m.cv_b * _expected_max(W))
     bits = BITS[s.compression]
-    # the all-reduce: what the recorded one cost (copies, sums, the loopback) scaled with
-    # the ring's bytes per rank, plus the wire of a given link
-    share = (W - 1) / W / ((R - 1) / R) if R > 1 else 0.0
-    software = p.allreduce_ms * share * bits / 32 if W > 1 else 0.0
-    wire = 0.0
-    if W > 1 and (s.link_gbps is not None or s.link_latency_us is not None):
-        latency = (s.link_latency_us or 0.0) / 1e3
-        gbps = s.link_gbps if s.link_gbps is not None else float("inf")
-        wire = _ring_ms(W, p.grad_bytes * bits / 32, latency, gbps)
-    codec = codec_seconds(p.grad_bytes // 4, bits) * 1e3 if bits < 32 and W > 1 else 0.0
-    comm = software + wire
-    # the exchange: an all-gather of the slices' updates (fixed in all): each rank receives
-    # and unpacks (W-1)/W of them, one message per peer on a given link
-    exchange = p.exchange_ms * share
-    if W > 1 and s.link_latency_us is not None:
-        exchange += (W - 1) * s.link_latency_us / 1e3
-    rest = max(p.post_ms - p.exchange_ms, 0.0)
-    before = sum(ms for k, ms in parts.items() if k != "backward")
-    backward = parts.get("backward", 0.0)
+    share = _share(W)
+    ar = codec = exchange = 0.0
+    if W > 1:
+        ar = m.allreduce_ms * share * bits / 32
+        ar += _wire_ms(2 * share * p.grad_bytes * bits / 32, 2 * (W - 1), s)
+        if bits < 32:
+            measured = m.codec_ms.get(bits)
+            if measured is None:  # this machine's codec, at a trainer's threads
+                measured = codec_seconds(p.grad_bytes // 4, bits, p.meta.get("threads")) * 1e3
+                codec = measured
+            else:
+                codec = measured * share
+        # an all-gather of every slice's updates: each rank receives (W-1) slices
+        exchange = m.exchange_ms * share
+        exchange += _wire_ms(p.exchange_bytes * n / p.slice_events * (W - 1), W - 1, s)
+    path = [("compute before backward", phase_a), ("exchange", exchange)]
     if s.overlap and W > 1:
-        sync = comm + codec
-        tail = sync / max(p.buckets, 1)  # the last bucket leaves after backward
-        path = [("compute before backward", before),
-                ("backward | all-reduce", max(backward, sync - tail) + tail)]  # fmt: skip
+        sync = ar + codec
+        last = sync / max(p.buckets, 1)  # the last bucket leaves after backward
+        path.append(("backward | all-reduce", max(phase_b, sync - last) + last))
     else:
-        path = [("compute before backward", before), ("backward", backward)]
+        path.append(("backward", phase_b))
         if codec:
             path.append(("codec", codec))
-        path.append(("all-reduce", comm))
-    path += [("exchange", exchange), ("optimizer, apply, loop", rest)]
+        path.append(("all-reduce", ar))
+    tail = max(m.tail[0] + m.tail[1] * W, 0.0)
+    beyond = max(m.beyond[0] + m.beyond[1] * W, 0.0)
+    path += [("optimizer, apply", tail), ("between steps", beyond)]
     step = sum(ms for _, ms in path)
-    link = ("as recorded" if wire == 0.0 else
+    link = ("as recorded" if _wire_ms(1.0, 1, s) == 0.0 else
             f"{s.link_gbps} Gbit/s, {s.link_latency_us or 0} us added")  # fmt: skip
     assumptions = [
-        f"recorded: W = {R}, {p.steps} steps, global batch {p.global_batch:.0f}, period "
-        f"{p.period_ms:.2f} ms ({p.events_per_s:.0f} events/s)",
-        f"one trainer per core or GPU; a rank's compute spread as recorded (cv {cv:.3f})",
+        f"base: W = {p.world}, {p.steps} steps, global batch {p.global_batch:.0f}, "
+        f"{p.period_ms:.2f} ms a step ({p.events_per_s:.0f} events/s)",
+        f"one trainer per core or GPU; a rank's compute spread as recorded (cv {m.cv_a:.3f} "
+        f"before the exchange, {m.cv_b:.3f} in backward)",
         f"link: {link}; gradient {p.grad_bytes / 1e6:.2f} MB fp32, {bits} bits on the wire"
-        + (f", codec {codec:.2f} ms measured here" if codec else ""),
+        + (f", codec {codec:.2f} ms" if codec else ""),
+        *m.notes,
     ]
-    return Prediction(
-        step_ms=step,
-        events_per_s=batch / step * 1e3,
-        path=path,
-        bottleneck=max(path, key=lambda x: x[1])[0],
-        assumptions=assumptions,
-    )
+    return Prediction(step_ms=step, events_per_s=batch / step * 1e3, path=path,
+                      bottleneck=max(path, key=lambda x: x[1])[0],
+                      assumptions=assumptions)  # fmt: skip

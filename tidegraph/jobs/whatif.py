@@ -2,10 +2,12 @@
 
     python -m tidegraph.jobs.whatif RUN_DIR|TRACE.json --trainers W [--link-gbps B]
         [--link-latency-us L] [--compression none|q8|q4|adaptive] [--overlap on|off]
-        [--scale-rule keep|linear]
+        [--scale-rule keep|linear] [--calibrate RUN_DIR|TRACE.json ...]
 
 prints the recorded step, the predicted step time and events/s, the spans of the critical
 path and the one that takes longest. Several --trainers values give one line each.
+--calibrate adds recorded runs of the same job at other W (or compression): compute's fixed
+part and the costs that grow with W are then fitted over all of them.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import os
 import sys
 
 from tidegraph.timeline import load_trace, validate
-from tidegraph.whatif import Setting, predict, profile
+from tidegraph.whatif import Setting, calibrate, predict, profile
 
 __all__ = ["main"]
 
@@ -35,6 +37,13 @@ def _parser() -> argparse.ArgumentParser:
         default="keep",
         choices=["keep", "linear"],
         help="keep the global batch, or grow it with W (cluster.scale_rule linear)",
+    )
+    p.add_argument(
+        "--calibrate",
+        nargs="+",
+        default=[],
+        metavar="SOURCE",
+        help="more recorded runs of the same job (other W, compression)",
     )
     return p
 
@@ -56,7 +65,7 @@ def _load(source: str) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        prof = profile(_load(args.source))
+        profiles = [profile(_load(src)) for src in [args.source, *args.calibrate]]
         settings = [Setting(trainers=w, link_gbps=args.link_gbps,
                             link_latency_us=args.link_latency_us,
                             compression=args.compression, overlap=args.overlap == "on",
@@ -64,18 +73,22 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as e:
         print(f"whatif: {e}", file=sys.stderr)
         return 2
-    fits = ", ".join(f"{k} {a:.2f}+{b:.4f}n" for k, (a, b) in prof.fit.items())
-    print(f"recorded: W = {prof.world}, {prof.steps} steps of {prof.global_batch:.0f} events, "
-          f"{prof.period_ms:.2f} ms a step, {prof.events_per_s:,.0f} events/s")  # fmt: skip
+    for src, p in zip([args.source, *args.calibrate], profiles, strict=True):
+        print(f"recorded ({src}): W = {p.world}, {p.steps} steps of {p.global_batch:.0f} "
+              f"events, {p.period_ms:.2f} ms a step, {p.events_per_s:,.0f} events/s; a rank: "
+              f"compute {sum(p.span_ms.values()):.2f} ms, all-reduce {p.allreduce_ms:.2f}, "
+              f"exchange {p.exchange_ms:.2f}, optimizer and apply {p.tail_ms:.2f}, between "
+              f"steps {p.beyond_ms:.2f}; slowest rank x{p.spread_a:.3f} before the "
+              f"exchange, x{p.spread_b:.3f} in backward")  # fmt: skip
+    model = calibrate(profiles)
+    fits = ", ".join(f"{k} {a:.2f}+{b:.4f}n" for k, (a, b) in model.fit.items())
     print(f"  compute per slice of n events (ms): {fits}")
-    print(f"  all-reduce {prof.allreduce_ms:.2f} ms, exchange {prof.exchange_ms:.2f} ms, after "
-          f"the all-reduce {prof.post_ms:.2f} ms, stragglers x{prof.straggle:.3f}")  # fmt: skip
     for s in settings:
-        out = predict(prof, s)
+        out = predict(model, s)
         path = " -> ".join(f"{name} {ms:.2f}" for name, ms in out.path)
         print(f"W = {s.trainers}: {out.step_ms:.2f} ms a step, {out.events_per_s:,.0f} "
               f"events/s; bottleneck: {out.bottleneck}\n  path (ms): {path}")  # fmt: skip
-    print("assumptions: " + "; ".join(predict(prof, settings[0]).assumptions))
+    print("assumptions: " + "; ".join(predict(model, settings[0]).assumptions))
     return 0
 
 

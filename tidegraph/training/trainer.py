@@ -31,7 +31,7 @@ from tidegraph.sampling.keyed import step_key
 from tidegraph.storage.cache import CachedFeatureStore
 from tidegraph.storage.checkpoint import compact, put_state
 from tidegraph.storage.events import EventBatch
-from tidegraph.timeline import Tracer
+from tidegraph.timeline import Tracer, payload_bytes
 from tidegraph.training.fetch import flat_blocks, join_edge_features
 from tidegraph.training.optim import FlatAdam
 from tidegraph.training.sampling import sample_options
@@ -208,12 +208,13 @@ class TrainerCore:
         t0 = time.perf_counter()
         updates = self.model.take_updates(observe)
         t1 = time.perf_counter()
+        sent = payload_bytes(updates) if exchange is not None and self.tracer.on else None
         if exchange is not None:
             updates = exchange(float(loss.detach()), updates)
         t2 = time.perf_counter()
         self._phase("apply", t0, t1, "updates")
-        if exchange is not None:
-            self._phase("exchange", t1, t2, start="gather")
+        if exchange is not None:  # bytes: this rank's updates (each peer receives them)
+            self._phase("exchange", t1, t2, start="gather", **({"bytes": sent} if sent else {}))
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         self._phase("compute", t2, time.perf_counter(), "backward", events=len(ev))
