@@ -61,7 +61,7 @@ class StepProfile:
     slice_events: float  # a rank's mean slice
     span_ms: dict[str, float]  # a rank's mean time per compute span
     fit: dict[str, tuple[float, float]]  # span -> (a, b): ms = a + b * slice events
-    spread_a: float  # slowest rank's phase A over the mean (1: none)
+    spread_a: float  # the slowest rank's phase A over the mean rank's, per step (1: none)
     spread_b: float  # the same for phase B
     allreduce_ms: float  # pure all-reduce (the last arriver's span)
     exchange_ms: float  # pure exchange (the last arriver's spans)
@@ -100,6 +100,12 @@ def _fit(points: list[tuple[float, float]]) -> tuple[float, float]:
     if my - b * mx < 0:  # through the origin
         return 0.0, sum(x * y for x, y in points) / sum(x * x for x in xs)
     return my - b * mx, b
+
+
+def _through(fit: tuple[float, float], x: float, y: float) -> tuple[float, float]:
+    """`fit`'s slope through the point (x, y) (an intercept >= 0; else through the origin)."""
+    a, b = y - fit[1] * x, fit[1]
+    return (a, b) if a >= 0 else (0.0, y / x if x else 0.0)
 
 
 def _share(world: int) -> float:
@@ -153,14 +159,18 @@ def profile(doc: dict) -> StepProfile:
             n = spans["forward"][0]["args"]["events"]
             sizes.append(n)
             for name in (*PHASE_A, *PHASE_B):
-                points[name].append((n, _ms(spans, name)))
+                points[name].append((len(per_step["step"]), n, _ms(spans, name)))
             a_ms.append(sum(_ms(spans, k) for k in PHASE_A))
             b_ms.append(sum(_ms(spans, k) for k in PHASE_B))
             step_ms.append(_ms(spans, "step"))
         any_rank = next(iter(ranks.values()))
         per_step["batch"].append(any_rank["step"][0]["args"]["global_size"])
-        per_step["spread_a"].append(max(a_ms) / max(statistics.fmean(a_ms), 1e-9))
-        per_step["spread_b"].append(max(b_ms) / max(statistics.fmean(b_ms), 1e-9))
+        for name in (*PHASE_A, *PHASE_B):
+            per_step[name].append(statistics.fmean(_ms(spans, name) for spans in ranks.values()))
+        per_step["a_max"].append(max(a_ms))
+        per_step["a_mean"].append(statistics.fmean(a_ms))
+        per_step["b_max"].append(max(b_ms))
+        per_step["b_mean"].append(statistics.fmean(b_ms))
         ar = min((_ms(s, "allreduce") for s in ranks.values()), default=0.0) if world > 1 else 0
         ex = min(_ms(s, "exchange") for s in ranks.values()) if world > 1 else 0.0
         per_step["allreduce"].append(ar)
@@ -182,12 +192,16 @@ def profile(doc: dict) -> StepProfile:
         med[k] = statistics.fmean(mid if i in off else x for i, x in enumerate(v))
     meta = doc.get("otherData", {})
     period = _period_ms(doc, whole)
-    fit = {name: _fit(pts) for name, pts in points.items()}
-    span_ms = {name: statistics.fmean(y for _, y in pts) for name, pts in points.items()}
+    span_ms = {name: med[name] for name in points}
+    # fitted over the steps that are not one-offs, through the mean (what was recorded)
+    n_mean = statistics.fmean(sizes)
+    fit = {name: _through(_fit([(n, ms) for i, n, ms in pts if i not in off]), n_mean,
+                          span_ms[name]) for name, pts in points.items()}  # fmt: skip
     return StepProfile(
         world=world, global_batch=statistics.fmean(per_step["batch"]),
         slice_events=statistics.fmean(sizes), span_ms=span_ms, fit=fit,
-        spread_a=med["spread_a"], spread_b=med["spread_b"], allreduce_ms=med["allreduce"],
+        spread_a=med["a_max"] / max(med["a_mean"], 1e-9),
+        spread_b=med["b_max"] / max(med["b_mean"], 1e-9), allreduce_ms=med["allreduce"],
         exchange_ms=med["exchange"], exchange_bytes=nbytes, tail_ms=max(med["tail"], 0.0),
         beyond_ms=max(period - med["step"], 0.0), period_ms=period,
         grad_bytes=4 * int(meta.get("grad_values", 0)), bits=min(bits), buckets=len(bits),
