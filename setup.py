@@ -20,7 +20,8 @@ setup(
         "pyyaml>=6",
     ],
     extras_require={
-        "test": ["pytest>=8", "hypothesis>=6.100", "ruff>=0.5"],
+        # the report's tests render its figures (`report`)
+        "test": ["pytest>=8", "hypothesis>=6.100", "ruff>=0.5", "matplotlib>=3.7"],
         "report": ["matplotlib>=3.7"],
     },
     entry_points={"console_scripts": ["tidegraph-train=tidegraph.jobs.train:main"]},
