@@ -200,3 +200,18 @@ def test_the_command_line_prints_a_prediction_and_refuses_bad_input(tmp_path, ca
     assert main([str(trace), "--trainers", "2"]) == 2
     assert "no training step" in capsys.readouterr().err
     assert main([str(tmp_path / "t8.json"), "--trainers", "2", "--compression", "zip"]) == 2
+
+
+def test_a_compressed_or_overlapped_run_alone_predicts_itself_back():
+    """Settings default to the recorded ones; a q8 run alone splits its all-reduce into the
+    codec (as measured here) and bytes, and an overlapped run's all-reduce is what backward
+    left of it: each predicts itself back."""
+    for doc in (synthetic(4, allreduce_ms=40.0, bits=8), synthetic(4, overlap=True)):
+        p = profile(doc)
+        assert predict(p, Setting(trainers=4)).step_ms == pytest.approx(p.period_ms, rel=0.02)
+    q8 = calibrate([profile(synthetic(4, allreduce_ms=40.0, bits=8))])
+    parts = dict(predict(q8, Setting(trainers=4)).path)
+    assert parts["all-reduce"] + parts["codec"] == pytest.approx(40.0)
+    assert parts["codec"] > 0
+    fp32 = dict(predict(q8, Setting(trainers=4, compression="none")).path)
+    assert "codec" not in fp32 and fp32["all-reduce"] == pytest.approx(parts["all-reduce"] * 4)

@@ -70,7 +70,7 @@ class StepProfile:
     beyond_ms: float  # the period beyond the mean step: the loop, the pass's own cost
     period_ms: float  # a step's share of the wall time
     grad_bytes: int  # the gradient in fp32
-    bits: int  # bits a value on the wire (32: fp32)
+    bits: float  # bits a value on the wire, bytes sent over fp32's (32: fp32)
     buckets: int
     overlap: bool
     steps: int
@@ -152,7 +152,7 @@ def profile(doc: dict) -> StepProfile:
     points: dict = defaultdict(list)
     per_step: dict = defaultdict(list)  # quantity -> one value per step
     sizes: list[float] = []
-    bits, nbytes = [32], 0.0
+    bits, nbytes, wire = [32], 0.0, []  # wire: this rank's bytes over fp32's, per step
     for _, ranks in sorted(whole.items()):
         a_ms, b_ms, step_ms = [], [], []
         for spans in ranks.values():
@@ -178,7 +178,10 @@ def profile(doc: dict) -> StepProfile:
         per_step["step"].append(statistics.fmean(step_ms))
         per_step["tail"].append(statistics.fmean(step_ms) - max(a_ms) - max(b_ms) - ar - ex)
         if world > 1 and "allreduce" in any_rank:
-            bits = any_rank["allreduce"][0]["args"].get("bits", bits)
+            a = any_rank["allreduce"][0]["args"]
+            bits = a.get("bits", bits)
+            if a.get("bytes_fp32"):
+                wire.append(a["bytes"] / a["bytes_fp32"])
         gathers = [e for e in any_rank.get("exchange", ()) if "bytes" in e.get("args", {})]
         nbytes = max(nbytes, sum(e["args"]["bytes"] for e in gathers))
     # one-off steps (a pass's first, a kernel's compile, a pause) are not what a step's spans
@@ -204,7 +207,8 @@ def profile(doc: dict) -> StepProfile:
         spread_b=med["b_max"] / max(med["b_mean"], 1e-9), allreduce_ms=med["allreduce"],
         exchange_ms=med["exchange"], exchange_bytes=nbytes, tail_ms=max(med["tail"], 0.0),
         beyond_ms=max(period - med["step"], 0.0), period_ms=period,
-        grad_bytes=4 * int(meta.get("grad_values", 0)), bits=min(bits), buckets=len(bits),
+        grad_bytes=4 * int(meta.get("grad_values", 0)), buckets=len(bits),
+        bits=round(32 * statistics.fmean(wire), 2) if wire else min(bits),
         overlap=bool(meta.get("overlap", False)), steps=len(whole), meta=meta,
     )  # fmt: skip
 
@@ -240,10 +244,11 @@ class Model:
     cv_a: float  # a rank's phase-A time: standard deviation over the mean
     cv_b: float
     allreduce_ms: float  # the fp32 all-reduce's cost on the recorded link at share 1
+    visible: bool  # that cost is what backward left of overlapped all-reduces
     exchange_ms: float  # the exchange's at share 1
     tail: tuple[float, float]  # ms = u + v * W
     beyond: tuple[float, float]
-    codec_ms: dict[int, float]  # bits -> the codec's ms a step at share 1, from a recorded run
+    codec_ms: dict[float, float]  # bits -> a recorded codec's ms a step at share 1
     notes: list[str]
 
 
@@ -262,20 +267,31 @@ def calibrate(profiles: list[StepProfile]) -> Model:
     multi = [p for p in profiles if p.world > 1]
     cv_a = statistics.fmean([(p.spread_a - 1) / _expected_max(p.world) for p in multi] or [0])
     cv_b = statistics.fmean([(p.spread_b - 1) / _expected_max(p.world) for p in multi] or [0])
-    plain = [p for p in multi if p.bits == 32 and not p.overlap] or multi
-    ar = statistics.fmean([p.allreduce_ms / _share(p.world) * 32 / p.bits for p in plain] or [0])
     ex = statistics.fmean([p.exchange_ms / _share(p.world) for p in multi] or [0])
-    codec = {}
-    for p in multi:
-        if p.bits < 32 and not p.overlap:  # what the compressed all-reduce costs beyond bytes
+    # the all-reduce at share 1: fp32 bytes' cost, and a codec's beyond its bytes. The
+    # overlapped runs' all-reduce is what backward did not hide: used only if nothing else
+    whole = [p for p in multi if not p.overlap]
+    visible = not whole and bool(multi)
+    runs = whole or multi
+    plain = [p for p in runs if p.bits >= 32]
+    if plain:
+        ar = statistics.fmean(p.allreduce_ms / _share(p.world) for p in plain)
+    else:  # compressed runs only: the codec as measured here, the rest is bytes
+        ar = statistics.fmean([max(p.allreduce_ms / _share(p.world) - _codec_here(p), 0.0)
+                               * 32 / p.bits for p in runs] or [0])  # fmt: skip
+    codec: dict = {}
+    for p in runs:
+        if p.bits < 32:
             extra = p.allreduce_ms / _share(p.world) - ar * p.bits / 32
-            codec.setdefault(p.bits, []).append(max(extra, 0.0))
+            codec.setdefault(round(p.bits, 1), []).append(max(extra, 0.0))
     worlds = {p.world for p in profiles}
     line = lambda key: _fit([(p.world, getattr(p, key)) for p in profiles])  # noqa: E731
     if len(worlds) < 2:
         notes.append("costs that grow with W (apply, dispatch) read at one W only")
+    if visible:
+        notes.append("the all-reduce read from overlapped runs only: what backward left")
     return Model(base=base, fit=fit, cv_a=cv_a, cv_b=cv_b, allreduce_ms=ar, exchange_ms=ex,
-                 tail=line("tail_ms"), beyond=line("beyond_ms"),
+                 visible=visible, tail=line("tail_ms"), beyond=line("beyond_ms"),
                  codec_ms={b: statistics.fmean(v) for b, v in codec.items()},
                  notes=notes)  # fmt: skip
 
@@ -285,14 +301,14 @@ class Setting:
     trainers: int
     link_gbps: float | None = None  # None: the recorded link
     link_latency_us: float | None = None
-    compression: str = "none"  # none, q8, q4, adaptive
-    overlap: bool = False
+    compression: str | None = None  # none, q8, q4, adaptive; None: as recorded
+    overlap: bool | None = None  # None: as recorded
     scale_rule: str = "keep"  # keep the global batch, or "linear": grow it with W
 
     def __post_init__(self) -> None:
         if self.trainers < 1:
             raise ValueError(f"trainers must be >= 1, got {self.trainers}")
-        if self.compression not in BITS:
+        if self.compression is not None and self.compression not in BITS:
             raise ValueError(f"compression must be one of {', '.join(BITS)}, got "
                              f"{self.compression!r}")  # fmt: skip
         if self.scale_rule not in ("keep", "linear"):
@@ -325,6 +341,13 @@ def codec_seconds(values: int, bits: int, threads: int | None = None) -> float:
         finally:
             torch.set_num_threads(before)
     return _codec_cache.get(key, 0.0)
+
+
+def _codec_here(p: StepProfile, bits: float | None = None) -> float:
+    """ms of this machine's codec on `p`'s gradient at `bits` (default: `p`'s), share 1."""
+    want = bits if bits is not None else p.bits
+    b = min((2, 4, 8), key=lambda c: abs(c - want))  # the codec's widths (adaptive: a mix)
+    return codec_seconds(p.grad_bytes // 4, b, p.meta.get("threads")) * 1e3
 
 
 def _measure_codec(key: tuple) -> None:
@@ -362,28 +385,27 @@ def predict(m: Model | StepProfile, s: Setting) -> Prediction:
     span = {k: max(a + b * n, 0.0) for k, (a, b) in m.fit.items()}
     phase_a = sum(span.get(k, 0.0) for k in PHASE_A) * (1 + m.cv_a * _expected_max(W))
     phase_b = sum(span.get(k, 0.0) for k in PHASE_B) * (1 + m.cv_b * _expected_max(W))
-    bits = BITS[s.compression]
+    recorded = p.meta.get("compression", "none")
+    same = s.compression is None or s.compression == recorded
+    bits = p.bits if same else BITS[s.compression]
+    overlap = p.overlap if s.overlap is None else s.overlap
     share = _share(W)
     ar = codec = exchange = 0.0
     if W > 1:
         ar = m.allreduce_ms * share * bits / 32
         ar += _wire_ms(2 * share * p.grad_bytes * bits / 32, 2 * (W - 1), s)
-        if bits < 32:
-            measured = m.codec_ms.get(bits)
-            if measured is None:  # this machine's codec, at a trainer's threads
-                measured = codec_seconds(p.grad_bytes // 4, bits, p.meta.get("threads")) * 1e3
-                codec = measured
-            else:
-                codec = measured * share
+        if bits < 32:  # a recorded codec's cost, else this machine's at a trainer's threads
+            codec = m.codec_ms.get(round(bits, 1))
+            codec = (_codec_here(p, bits) if codec is None else codec) * share
         # an all-gather of every slice's updates: each rank receives (W-1) slices
         exchange = m.exchange_ms * share
         exchange += _wire_ms(p.exchange_bytes * n / p.slice_events * (W - 1), W - 1, s)
     path = [("compute before backward", phase_a), ("exchange", exchange)]
-    if s.overlap and W > 1:
+    if overlap and W > 1 and not m.visible:
         sync = ar + codec
         last = sync / max(p.buckets, 1)  # the last bucket leaves after backward
         path.append(("backward | all-reduce", max(phase_b, sync - last) + last))
-    else:
+    else:  # (read from overlapped runs, the all-reduce is already what backward left)
         path.append(("backward", phase_b))
         if codec:
             path.append(("codec", codec))
@@ -399,7 +421,7 @@ def predict(m: Model | StepProfile, s: Setting) -> Prediction:
         f"{p.period_ms:.2f} ms a step ({p.events_per_s:.0f} events/s)",
         f"one trainer per core or GPU; a rank's compute spread as recorded (cv {m.cv_a:.3f} "
         f"before the exchange, {m.cv_b:.3f} in backward)",
-        f"link: {link}; gradient {p.grad_bytes / 1e6:.2f} MB fp32, {bits} bits on the wire"
+        f"link: {link}; gradient {p.grad_bytes / 1e6:.2f} MB fp32, {bits:g} bits on the wire"
         + (f", codec {codec:.2f} ms" if codec else ""),
         *m.notes,
     ]

@@ -30,8 +30,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--trainers", type=int, nargs="+", required=True, metavar="W")
     p.add_argument("--link-gbps", type=float, help="a link of B Gbit/s (default: as recorded)")
     p.add_argument("--link-latency-us", type=float, help="its latency per message")
-    p.add_argument("--compression", default="none", help="none, q8, q4 or adaptive")
-    p.add_argument("--overlap", default="off", choices=["on", "off"])
+    p.add_argument("--compression", help="none, q8, q4 or adaptive (default: as recorded)")
+    p.add_argument("--overlap", choices=["on", "off"], help="default: as recorded")
     p.add_argument(
         "--scale-rule",
         default="keep",
@@ -68,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
         profiles = [profile(_load(src)) for src in [args.source, *args.calibrate]]
         settings = [Setting(trainers=w, link_gbps=args.link_gbps,
                             link_latency_us=args.link_latency_us,
-                            compression=args.compression, overlap=args.overlap == "on",
+                            compression=args.compression,
+                            overlap=None if args.overlap is None else args.overlap == "on",
                             scale_rule=args.scale_rule) for w in args.trainers]  # fmt: skip
     except (OSError, ValueError) as e:
         print(f"whatif: {e}", file=sys.stderr)
