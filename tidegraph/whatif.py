@@ -48,7 +48,15 @@ __all__ = ["PHASE_A", "PHASE_B", "Model", "Prediction", "Setting", "StepProfile"
 PHASE_A = ("sample", "fetch", "forward", "updates")  # a rank's spans before the exchange
 PHASE_B = ("backward",)  # between the exchange's start and the all-reduce
 ONE_OFF = 5.0  # a recorded step this many times the median is a one-off (see `profile`)
-BITS = {"none": 32, "q8": 8, "q4": 4, "adaptive": 4}  # adaptive: its narrowest default
+# bits a value costs on the wire: the codes and a chunk's fp32 offset and scale (64 bits a
+# chunk of 256 values); adaptive: its narrowest default
+BITS = {"none": 32, "q8": 8.25, "q4": 4.25, "adaptive": 4.25}
+WIDTHS = (2, 4, 8)  # the codec's code widths
+
+
+def _width(bits: float) -> int:
+    """The codec's code width nearest `bits` a value (adaptive runs mix them)."""
+    return min(WIDTHS, key=lambda c: abs(c - bits))
 
 
 @dataclass
@@ -248,7 +256,7 @@ class Model:
     exchange_ms: float  # the exchange's at share 1
     tail: tuple[float, float]  # ms = u + v * W
     beyond: tuple[float, float]
-    codec_ms: dict[float, float]  # bits -> a recorded codec's ms a step at share 1
+    codec_ms: dict[int, float]  # code width -> a recorded codec's ms a step at share 1
     notes: list[str]
 
 
@@ -283,7 +291,7 @@ def calibrate(profiles: list[StepProfile]) -> Model:
     for p in runs:
         if p.bits < 32:
             extra = p.allreduce_ms / _share(p.world) - ar * p.bits / 32
-            codec.setdefault(round(p.bits, 1), []).append(max(extra, 0.0))
+            codec.setdefault(_width(p.bits), []).append(max(extra, 0.0))
     worlds = {p.world for p in profiles}
     line = lambda key: _fit([(p.world, getattr(p, key)) for p in profiles])  # noqa: E731
     if len(worlds) < 2:
@@ -345,8 +353,7 @@ def codec_seconds(values: int, bits: int, threads: int | None = None) -> float:
 
 def _codec_here(p: StepProfile, bits: float | None = None) -> float:
     """ms of this machine's codec on `p`'s gradient at `bits` (default: `p`'s), share 1."""
-    want = bits if bits is not None else p.bits
-    b = min((2, 4, 8), key=lambda c: abs(c - want))  # the codec's widths (adaptive: a mix)
+    b = _width(bits if bits is not None else p.bits)
     return codec_seconds(p.grad_bytes // 4, b, p.meta.get("threads")) * 1e3
 
 
@@ -395,7 +402,7 @@ def predict(m: Model | StepProfile, s: Setting) -> Prediction:
         ar = m.allreduce_ms * share * bits / 32
         ar += _wire_ms(2 * share * p.grad_bytes * bits / 32, 2 * (W - 1), s)
         if bits < 32:  # a recorded codec's cost, else this machine's at a trainer's threads
-            codec = m.codec_ms.get(round(bits, 1))
+            codec = m.codec_ms.get(_width(bits))
             codec = (_codec_here(p, bits) if codec is None else codec) * share
         # an all-gather of every slice's updates: each rank receives (W-1) slices
         exchange = m.exchange_ms * share
