@@ -25,10 +25,12 @@ same job (other W, other compression): compute's fixed part needs two slice size
 has one, but for a pass's last batch), and the costs that grow with W (the apply of W
 slices' updates, the pass's per-trainer dispatch) need two W. `predict` rebuilds the step for
 W' trainers (global batch kept, or grown with W' under `scale_rule: linear`), a link of B
-Gbit/s and L us latency, compression (bytes per value, and the codec's time: taken from a
-recorded compressed run, else measured here) and overlap, and names the span on the critical
-path that takes longest. Assumptions (stated in `Prediction.assumptions`): one trainer per
-core or GPU (no sharing), stragglers spread as recorded, the shards not a bottleneck.
+Gbit/s and L us latency (a transfer takes the slower of its recorded time, the work it is
+pipelined with, and its bytes at B, plus L a message), compression (bytes per value, and
+the codec's time: taken from a recorded compressed run, else measured here) and overlap, and
+names the span on the critical path that takes longest. Assumptions (stated in
+`Prediction.assumptions`): one trainer per core or GPU (no sharing), stragglers spread as
+recorded, the shards not a bottleneck.
 """
 
 from __future__ import annotations
@@ -160,7 +162,7 @@ def profile(doc: dict) -> StepProfile:
     points: dict = defaultdict(list)
     per_step: dict = defaultdict(list)  # quantity -> one value per step
     sizes: list[float] = []
-    bits, nbytes, wire = [32], 0.0, []  # wire: this rank's bytes over fp32's, per step
+    bits, sent, wire = [32], [], []  # the exchange's bytes; the all-reduce's over fp32's
     for _, ranks in sorted(whole.items()):
         a_ms, b_ms, step_ms = [], [], []
         for spans in ranks.values():
@@ -191,7 +193,8 @@ def profile(doc: dict) -> StepProfile:
             if a.get("bytes_fp32"):
                 wire.append(a["bytes"] / a["bytes_fp32"])
         gathers = [e for e in any_rank.get("exchange", ()) if "bytes" in e.get("args", {})]
-        nbytes = max(nbytes, sum(e["args"]["bytes"] for e in gathers))
+        if gathers:
+            sent.append(sum(e["args"]["bytes"] for e in gathers))
     # one-off steps (a pass's first, a kernel's compile, a pause) are not what a step's spans
     # cost: a step over ONE_OFF x the median counts as a median one in them, and its excess
     # stays in the period (between steps: a pass has such costs, per pass or per run)
@@ -213,7 +216,8 @@ def profile(doc: dict) -> StepProfile:
         slice_events=statistics.fmean(sizes), span_ms=span_ms, fit=fit,
         spread_a=med["a_max"] / max(med["a_mean"], 1e-9),
         spread_b=med["b_max"] / max(med["b_mean"], 1e-9), allreduce_ms=med["allreduce"],
-        exchange_ms=med["exchange"], exchange_bytes=nbytes, tail_ms=max(med["tail"], 0.0),
+        exchange_ms=med["exchange"], exchange_bytes=statistics.fmean(sent) if sent else 0.0,
+        tail_ms=max(med["tail"], 0.0),
         beyond_ms=max(period - med["step"], 0.0), period_ms=period,
         grad_bytes=4 * int(meta.get("grad_values", 0)), buckets=len(bits),
         bits=round(32 * statistics.fmean(wire), 2) if wire else min(bits),
@@ -375,12 +379,15 @@ def _measure_codec(key: tuple) -> None:
         return
 
 
-def _wire_ms(nbytes: float, messages: int, s: Setting) -> float:
-    """`nbytes` and `messages` over the setting's link (0 on the recorded one)."""
+def _over_link(recorded_ms: float, nbytes: float, messages: int, s: Setting) -> float:
+    """A transfer that took `recorded_ms` on the recorded link (copies, sums, the loopback),
+    on the setting's: its `nbytes` at the link's rate overlap that work (the transfer is
+    pipelined with it: the slower of the two), and each of `messages` adds the latency."""
     if s.link_gbps is None and s.link_latency_us is None:
-        return 0.0
+        return recorded_ms
     gbps = s.link_gbps if s.link_gbps is not None else math.inf
-    return messages * (s.link_latency_us or 0.0) / 1e3 + nbytes * 8 / (gbps * 1e9) * 1e3
+    wire = nbytes * 8 / (gbps * 1e9) * 1e3
+    return max(recorded_ms, wire) + messages * (s.link_latency_us or 0.0) / 1e3
 
 
 def predict(m: Model | StepProfile, s: Setting) -> Prediction:
@@ -399,14 +406,15 @@ def predict(m: Model | StepProfile, s: Setting) -> Prediction:
     share = _share(W)
     ar = codec = exchange = 0.0
     if W > 1:
-        ar = m.allreduce_ms * share * bits / 32
-        ar += _wire_ms(2 * share * p.grad_bytes * bits / 32, 2 * (W - 1), s)
+        ar = _over_link(m.allreduce_ms * share * bits / 32, 2 * share * p.grad_bytes * bits / 32,
+                        2 * (W - 1), s)  # fmt: skip
         if bits < 32:  # a recorded codec's cost, else this machine's at a trainer's threads
             codec = m.codec_ms.get(_width(bits))
             codec = (_codec_here(p, bits) if codec is None else codec) * share
         # an all-gather of every slice's updates: each rank receives (W-1) slices
-        exchange = m.exchange_ms * share
-        exchange += _wire_ms(p.exchange_bytes * n / p.slice_events * (W - 1), W - 1, s)
+        exchange = _over_link(
+            m.exchange_ms * share, p.exchange_bytes * n / p.slice_events * (W - 1), W - 1, s
+        )
     path = [("compute before backward", phase_a), ("exchange", exchange)]
     if overlap and W > 1 and not m.visible:
         sync = ar + codec
@@ -421,7 +429,7 @@ def predict(m: Model | StepProfile, s: Setting) -> Prediction:
     beyond = max(m.beyond[0] + m.beyond[1] * W, 0.0)
     path += [("optimizer, apply", tail), ("between steps", beyond)]
     step = sum(ms for _, ms in path)
-    link = ("as recorded" if _wire_ms(1.0, 1, s) == 0.0 else
+    link = ("as recorded" if s.link_gbps is None and s.link_latency_us is None else
             f"{s.link_gbps} Gbit/s, {s.link_latency_us or 0} us added")  # fmt: skip
     assumptions = [
         f"base: W = {p.world}, {p.steps} steps, global batch {p.global_batch:.0f}, "
