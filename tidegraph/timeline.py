@@ -202,6 +202,8 @@ def validate(doc: dict) -> None:
     if not isinstance(events, list):
         raise ValueError("trace: no traceEvents list")
     for i, e in enumerate(events):
+        if not isinstance(e, dict):
+            raise ValueError(f"trace: event {i} is not an object: {e!r}")
         ph = e.get("ph")
         ok = isinstance(e.get("name"), str) and isinstance(e.get("pid"), int) and (
             isinstance(e.get("tid"), int)) and isinstance(e.get("args"), dict)  # fmt: skip
@@ -216,7 +218,8 @@ def validate(doc: dict) -> None:
 
 def load_trace(path: str) -> dict:
     """The merged trace of run directory `path` (its `timeline/*.json`, in order): one
-    document whose `otherData` is the first part's."""
+    document whose `otherData` is the first part's. A file that is not a trace: ValueError
+    naming it."""
     directory = os.path.join(path, "timeline")
     try:
         names = sorted(n for n in os.listdir(directory) if n.endswith(".json"))
@@ -228,8 +231,13 @@ def load_trace(path: str) -> dict:
         raise FileNotFoundError(f"{directory}: no trace files (run with --timeline)")
     events, meta, seen = [], None, set()
     for name in names:
-        with open(os.path.join(directory, name)) as f:
-            doc = json.load(f)
+        file = os.path.join(directory, name)
+        try:
+            with open(file, encoding="utf-8") as f:
+                doc = json.load(f)
+            validate(doc)
+        except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+            raise ValueError(f"{file}: not a trace file ({e})") from None
         meta = doc.get("otherData", {}) if meta is None else meta
         for e in doc["traceEvents"]:
             if e.get("ph") == "M":  # names repeat in every part: keep each once

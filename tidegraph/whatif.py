@@ -151,7 +151,15 @@ def _ms(spans: dict, name: str) -> float:
 
 def profile(doc: dict) -> StepProfile:
     """The `StepProfile` of a trace document (`timeline.load_trace`), from its training steps
-    with every rank recorded."""
+    with every rank recorded. A span without the args it should carry: ValueError."""
+    try:
+        return _profile(doc)
+    except (KeyError, TypeError, IndexError) as e:
+        raise ValueError(f"what-if: a training step's spans lack what they should carry "
+                         f"({type(e).__name__}: {e})") from None  # fmt: skip
+
+
+def _profile(doc: dict) -> StepProfile:
     steps = _trainer_steps(doc)
     world = max((len(ranks) for ranks in steps.values()), default=0)
     whole = {s: r for s, r in steps.items() if len(r) == world and all(
@@ -163,6 +171,9 @@ def profile(doc: dict) -> StepProfile:
     per_step: dict = defaultdict(list)  # quantity -> one value per step
     sizes: list[float] = []
     bits, sent, wire = [32], [], []  # the exchange's bytes; the all-reduce's over fp32's
+    meta = doc.get("otherData", {})
+    compressed = meta.get("compression", "none") != "none"
+    warm: set[int] = set()  # a compressed run's fp32 steps
     for _, ranks in sorted(whole.items()):
         a_ms, b_ms, step_ms = [], [], []
         for spans in ranks.values():
@@ -189,9 +200,12 @@ def profile(doc: dict) -> StepProfile:
         per_step["tail"].append(statistics.fmean(step_ms) - max(a_ms) - max(b_ms) - ar - ex)
         if world > 1 and "allreduce" in any_rank:
             a = any_rank["allreduce"][0]["args"]
-            bits = a.get("bits", bits)
-            if a.get("bytes_fp32"):
-                wire.append(a["bytes"] / a["bytes_fp32"])
+            if compressed and min(a.get("bits", [32])) >= 32:  # comm.warmup_steps go fp32
+                warm.add(len(per_step["step"]) - 1)
+            else:
+                bits = a.get("bits", bits)
+                if a.get("bytes_fp32"):
+                    wire.append(a["bytes"] / a["bytes_fp32"])
         gathers = [e for e in any_rank.get("exchange", ()) if "bytes" in e.get("args", {})]
         if gathers:
             sent.append(sum(e["args"]["bytes"] for e in gathers))
@@ -204,7 +218,9 @@ def profile(doc: dict) -> StepProfile:
     for k, v in per_step.items():
         mid = statistics.median(v)
         med[k] = statistics.fmean(mid if i in off else x for i, x in enumerate(v))
-    meta = doc.get("otherData", {})
+    reduced = [x for i, x in enumerate(per_step["allreduce"]) if i not in warm | off]
+    if reduced:  # a compressed run's all-reduce: its compressed steps'
+        med["allreduce"] = statistics.fmean(reduced)
     period = _period_ms(doc, whole)
     span_ms = {name: med[name] for name in points}
     # fitted over the steps that are not one-offs, through the mean (what was recorded)
@@ -255,12 +271,14 @@ class Model:
     fit: dict[str, tuple[float, float]]  # compute per span: ms = a + b * slice events
     cv_a: float  # a rank's phase-A time: standard deviation over the mean
     cv_b: float
-    allreduce_ms: float  # the fp32 all-reduce's cost on the recorded link at share 1
+    allreduce_ms: float | None  # the fp32 all-reduce at share 1 (None: compressed runs only)
     visible: bool  # that cost is what backward left of overlapped all-reduces
     exchange_ms: float  # the exchange's at share 1
+    exchange_per_event: float  # bytes a rank sends in the exchange, per slice event
     tail: tuple[float, float]  # ms = u + v * W
     beyond: tuple[float, float]
-    codec_ms: dict[int, float]  # code width -> a recorded codec's ms a step at share 1
+    codec_ms: dict[int, float]  # code width -> a recorded codec's ms, per `_codec_ops(W)`
+    compressed: list[StepProfile]  # runs that split into bytes and codec only as needed
     notes: list[str]
 
 
@@ -280,32 +298,61 @@ def calibrate(profiles: list[StepProfile]) -> Model:
     cv_a = statistics.fmean([(p.spread_a - 1) / _expected_max(p.world) for p in multi] or [0])
     cv_b = statistics.fmean([(p.spread_b - 1) / _expected_max(p.world) for p in multi] or [0])
     ex = statistics.fmean([p.exchange_ms / _share(p.world) for p in multi] or [0])
+    per_event = statistics.fmean([p.exchange_bytes / p.slice_events for p in multi] or [0])
     # the all-reduce at share 1: fp32 bytes' cost, and a codec's beyond its bytes. The
     # overlapped runs' all-reduce is what backward did not hide: used only if nothing else
     whole = [p for p in multi if not p.overlap]
     visible = not whole and bool(multi)
     runs = whole or multi
     plain = [p for p in runs if p.bits >= 32]
-    if plain:
-        ar = statistics.fmean(p.allreduce_ms / _share(p.world) for p in plain)
-    else:  # compressed runs only: the codec as measured here, the rest is bytes
-        ar = statistics.fmean([max(p.allreduce_ms / _share(p.world) - _codec_here(p), 0.0)
-                               * 32 / p.bits for p in runs] or [0])  # fmt: skip
-    codec: dict = {}
-    for p in runs:
-        if p.bits < 32:
-            extra = p.allreduce_ms / _share(p.world) - ar * p.bits / 32
-            codec.setdefault(_width(p.bits), []).append(max(extra, 0.0))
+    ar = statistics.fmean(p.allreduce_ms / _share(p.world) for p in plain) if plain else None
+    ar = 0.0 if not runs else ar  # no run with peers: nothing recorded
+    codec = _codec_split(runs, ar) if plain else {}
     worlds = {p.world for p in profiles}
     line = lambda key: _fit([(p.world, getattr(p, key)) for p in profiles])  # noqa: E731
     if len(worlds) < 2:
         notes.append("costs that grow with W (apply, dispatch) read at one W only")
     if visible:
         notes.append("the all-reduce read from overlapped runs only: what backward left")
+    if not multi:
+        notes.append("no run with peers recorded: the all-reduce and the exchange cost only "
+                     "what a given link adds")  # fmt: skip
+    if base.meta.get("backend") == "local":
+        notes.append("recorded on the local backend: gradients summed in the driver, no "
+                     "all-reduce or exchange between trainers recorded")  # fmt: skip
     return Model(base=base, fit=fit, cv_a=cv_a, cv_b=cv_b, allreduce_ms=ar, exchange_ms=ex,
-                 visible=visible, tail=line("tail_ms"), beyond=line("beyond_ms"),
-                 codec_ms={b: statistics.fmean(v) for b, v in codec.items()},
+                 exchange_per_event=per_event, visible=visible, tail=line("tail_ms"),
+                 beyond=line("beyond_ms"), codec_ms=codec,
+                 compressed=[] if plain else [p for p in runs if p.bits < 32],
                  notes=notes)  # fmt: skip
+
+
+def _codec_ops(world: int) -> float:
+    """A compressed all-reduce's codec work per rank, in encode-and-decode passes over the
+    gradient: it encodes its share and then the reduced chunk (1 + 1/W gradients) and
+    decodes twice (2), whatever W."""
+    return (3 + 1 / world) / 2
+
+
+def _codec_split(runs: list[StepProfile], ar: float) -> dict[int, float]:
+    """Code width -> the codec's ms per `_codec_ops` unit: what compressed `runs` spent
+    beyond their bytes at the fp32 cost `ar` (ms at share 1)."""
+    out: dict = defaultdict(list)
+    for p in runs:
+        if p.bits < 32:
+            extra = p.allreduce_ms - ar * _share(p.world) * p.bits / 32
+            out[_width(p.bits)].append(max(extra, 0.0) / _codec_ops(p.world))
+    return {w: statistics.fmean(v) for w, v in out.items()}
+
+
+def _resolve(m: Model) -> None:
+    """Compressed runs only: split their all-reduce into this machine's codec (measured now,
+    when a prediction first needs it) and bytes, into `m`."""
+    per_run = [max(p.allreduce_ms - _codec_here(p) * _codec_ops(p.world), 0.0)
+               / (_share(p.world) * p.bits / 32) for p in m.compressed]  # fmt: skip
+    m.allreduce_ms = statistics.fmean(per_run)
+    m.codec_ms = _codec_split(m.compressed, m.allreduce_ms)
+    m.notes.append("compressed runs only: their codec as measured here, the rest as bytes")
 
 
 @dataclass(kw_only=True)
@@ -325,6 +372,10 @@ class Setting:
                              f"{self.compression!r}")  # fmt: skip
         if self.scale_rule not in ("keep", "linear"):
             raise ValueError(f"scale_rule must be keep or linear, got {self.scale_rule!r}")
+        if self.link_gbps is not None and not (0 < self.link_gbps < math.inf):
+            raise ValueError(f"link_gbps must be a rate > 0, got {self.link_gbps}")
+        if self.link_latency_us is not None and not (0 <= self.link_latency_us < math.inf):
+            raise ValueError(f"link_latency_us must be >= 0, got {self.link_latency_us}")
 
 
 @dataclass
@@ -405,16 +456,19 @@ def predict(m: Model | StepProfile, s: Setting) -> Prediction:
     overlap = p.overlap if s.overlap is None else s.overlap
     share = _share(W)
     ar = codec = exchange = 0.0
-    if W > 1:
+    as_recorded = same and W == p.world and s.link_gbps is None and not s.link_latency_us
+    if W > 1 and m.allreduce_ms is None and as_recorded:  # the recorded all-reduce, codec in
+        ar = p.allreduce_ms
+    elif W > 1:
+        if m.allreduce_ms is None:
+            _resolve(m)
         ar = _over_link(m.allreduce_ms * share * bits / 32, 2 * share * p.grad_bytes * bits / 32,
                         2 * (W - 1), s)  # fmt: skip
         if bits < 32:  # a recorded codec's cost, else this machine's at a trainer's threads
             codec = m.codec_ms.get(_width(bits))
-            codec = (_codec_here(p, bits) if codec is None else codec) * share
-        # an all-gather of every slice's updates: each rank receives (W-1) slices
-        exchange = _over_link(
-            m.exchange_ms * share, p.exchange_bytes * n / p.slice_events * (W - 1), W - 1, s
-        )
+            codec = (_codec_here(p, bits) if codec is None else codec) * _codec_ops(W)
+    if W > 1:  # an all-gather of every slice's updates: each rank receives (W-1) slices
+        exchange = _over_link(m.exchange_ms * share, m.exchange_per_event * n * (W - 1), W - 1, s)
     path = [("compute before backward", phase_a), ("exchange", exchange)]
     if overlap and W > 1 and not m.visible:
         sync = ar + codec
