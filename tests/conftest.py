@@ -37,6 +37,11 @@ def device(request) -> torch.device:
 _OURS: dict = {}  # the shared Ray's GCS address, while this process is connected to it
 
 
+# custom resources the shared Ray offers, for runs with cluster.trainer_resources and
+# shard_resources (tests/test_backends.py)
+TEST_RESOURCES = {"tg_trainer": 64, "tg_shard": 64}
+
+
 @pytest.fixture(scope="module")
 def ray_session():
     """A local Ray on loopback, shared by the modules that ask for it (they run last, see
@@ -55,6 +60,7 @@ def ray_session():
         ray.init(  # "local": a Ray of its own, never a cluster that happens to run here
             address="local", _node_ip_address="127.0.0.1", num_cpus=8, include_dashboard=False,
             namespace="tidegraph-tests", configure_logging=False,
+            resources=dict(TEST_RESOURCES),
         )  # fmt: skip
         _OURS["gcs"] = ray.get_runtime_context().gcs_address
     yield

@@ -354,15 +354,19 @@ def _spare(group, path) -> dict:
     return {}
 
 
-def _bundles(trainer_cpus: float, shard_cpus: float) -> Callable:
+def _bundles(trainer_cpus: float, shard_cpus: float, trainer_extra: dict | None = None,
+             shard_extra: dict | None = None) -> Callable:  # fmt: skip
+    """Every shard and trainer bundle asks for its CPUs and the custom resources given."""
+
     def look(group, path) -> dict:
         from ray.util import placement_group_table
 
         shard = placement_group_table(group.shard_pg)["bundles"]
-        assert list(shard.values()) == [{"CPU": shard_cpus}] * (2 * group.num_copies)
+        want = {"CPU": shard_cpus, **(shard_extra or {})}
+        assert list(shard.values()) == [want] * (2 * group.num_copies)
+        want = {"CPU": trainer_cpus, **(trainer_extra or {})}
         for slot in group.member_slots.values():
-            assert list(placement_group_table(slot)["bundles"].values()) == [
-                {"CPU": trainer_cpus}]  # fmt: skip
+            assert list(placement_group_table(slot)["bundles"].values()) == [want]
         return {}
 
     return look
@@ -691,11 +695,20 @@ CASES = [
         check=on_both(_sharded),
     ),
     Case(
-        # trainer_gpus: the share of a GPU on CUDA; on the CPU no bundle asks for one
-        "cluster.trainer_cpus+shard_cpus+trainer_gpus",
-        {"cluster": {"trainer_cpus": 0.5, "shard_cpus": 0.25, "trainer_gpus": 0.5}},
+        # trainer_gpus: the share of a GPU on CUDA; on the CPU no bundle asks for one; custom
+        # resources (conftest.TEST_RESOURCES offers them) mean nothing on the local backend
+        "cluster.trainer_cpus+shard_cpus+trainer_gpus+resources",
+        {
+            "cluster": {
+                "trainer_cpus": 0.5,
+                "shard_cpus": 0.25,
+                "trainer_gpus": 0.5,
+                "trainer_resources": {"tg_trainer": 1},
+                "shard_resources": {"tg_shard": 0.5},
+            }
+        },
         "same",
-        check=on_ray(_bundles(0.5, 0.25)),
+        check=on_ray(_bundles(0.5, 0.25, {"tg_trainer": 1}, {"tg_shard": 0.5})),
     ),
     Case("cluster.collective_timeout_s", {"cluster": {"collective_timeout_s": 30.0}}, "same"),
     Case(
@@ -854,7 +867,8 @@ COMBINED = [
                     "max_recoveries": 3,
                     "elastic_poll_s": 0.2, "scale_rule": "linear", "update_log_every": 2,
                     "faults": FAULT, "partitioner": "ldg", "rebalance_tolerance": 0.0,
-                    "memory": "replicated"},
+                    "memory": "replicated", "trainer_resources": {"tg_trainer": 0.5},
+                    "shard_resources": {"tg_shard": 0.25}},
         "comm": {"compression": "q8", "codec": "eager", "warmup_steps": 2,
                  "min_bucket_bytes": 0, "chunk_size": 64, "bucketing": "cost_model",
                  "link_latency_s": 1e-4, "link_bandwidth_gbps": 1.0, "latency_fraction": 0.2,
@@ -862,7 +876,9 @@ COMBINED = [
         "seed": 11, "checkpoint_every": 2, "keep_checkpoints": 2, "device": "cpu",
         "graph_device": "cpu", "timeline": 3,
         "deterministic": True, "threads": 1, "progress": True,
-    }, None, check=all_of(on_ray(_replicas), on_ray(_bundles(0.5, 0.25)), on_ray(_recovered),
+    }, None, check=all_of(on_ray(_replicas),
+                          on_ray(_bundles(0.5, 0.25, {"tg_trainer": 0.5}, {"tg_shard": 0.25})),
+                          on_ray(_recovered),
                           on_ray(_update_log), on_ray(_overlapped), on_both(_checkpoints),
                           on_both(_timeline))),
     Case("tgat+features+uniform+elastic", {
