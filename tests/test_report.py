@@ -176,6 +176,7 @@ def _damaged(run: Path, what: str) -> str:
     """Damage `run` in one way; the text the error must contain."""
     metrics = run / "metrics.jsonl"
     lines = metrics.read_text().splitlines()
+    trace = run / "timeline" / "00001.json"
     if what == "no metrics":
         metrics.unlink()
         return f"{metrics}: missing"
@@ -187,14 +188,26 @@ def _damaged(run: Path, what: str) -> str:
         del r["ap"]
         metrics.write_text("\n".join([lines[0], json.dumps(r), *lines[2:]]) + "\n")
         return f"{metrics}: line 2: increment record has no number 'ap'"
+    if what == "metrics not UTF-8":
+        metrics.write_bytes(metrics.read_bytes().replace(b"phase1", b"ph\xe4se1", 1))
+        return f"{metrics}: not UTF-8 text"
     if what == "summary":
         (run / "summary.json").write_text("{")
         return f"{run / 'summary.json'}: not JSON"
-    (run / "timeline" / "00001.json").write_text('{"traceEvents": [')
-    return f"{run / 'timeline' / '00001.json'}: not JSON"
+    if what == "timeline a list":  # the first file: its otherData is read (an AttributeError)
+        first = run / "timeline" / "00000.json"
+        first.write_text("[]")
+        return f"{first}: no traceEvents list"
+    if what == "timeline not UTF-8":
+        trace.write_bytes(b'{"traceEvents": [], "otherData": {"host": "\xff"}}')
+        return f"{trace}: not UTF-8 text"
+    trace.write_text('{"traceEvents": [')
+    return f"{trace}: not JSON"
 
 
-@pytest.mark.parametrize("what", ["no metrics", "bad line", "no ap", "summary", "timeline"])
+@pytest.mark.parametrize("what", ["no metrics", "bad line", "no ap", "metrics not UTF-8",
+                                  "summary", "timeline", "timeline a list",
+                                  "timeline not UTF-8"])  # fmt: skip
 def test_a_damaged_run_directory_is_named(local_run, tmp_path, capsys, what):
     run = tmp_path / "run"
     shutil.copytree(local_run, run)
@@ -203,6 +216,120 @@ def test_a_damaged_run_directory_is_named(local_run, tmp_path, capsys, what):
     assert code == 2
     assert want in err and "Traceback" not in err, err
     assert not (run / "report.html").exists()
+
+
+def test_a_trace_the_what_if_model_cannot_read_names_no_bottleneck(local_run, tmp_path, capsys):
+    """A ray timeline whose forward spans lack args.events: the report is written, and its
+    bottleneck line says why none is named."""
+    run = tmp_path / "run"
+    _ray_like(local_run, run, world=2)
+    for path in (run / "timeline").glob("*.json"):
+        doc = json.loads(path.read_text())
+        for e in doc["traceEvents"]:
+            if e["name"] == "forward":
+                e["args"].pop("events", None)
+        path.write_text(json.dumps(doc))
+    code, out, err = _report(capsys, run)
+    assert code == 0, err
+    assert re.search(r"bottleneck: not known: .*'events'", out), out
+    assert "bottleneck: not known" in (run / "report.html").read_text()
+
+
+def test_unknown_compression_is_not_called_fp32(local_run, tmp_path, capsys):
+    """Without a timeline, config.yaml and summary.json, the bits per bucket are not known."""
+    run = tmp_path / "run"
+    shutil.copytree(local_run, run, ignore=shutil.ignore_patterns("timeline", "*.yaml",
+                                                                   "summary.json"))  # fmt: skip
+    code, _, err = _report(capsys, run)
+    assert code == 0, err
+    page = (run / "report.html").read_text()
+    assert "Not drawn: no all-reduce was recorded; the compression is not known" in page
+    assert "every bucket goes fp32" not in page
+
+
+# ---- the ray backend's all-reduce spans, put into the local run's timeline -------------------
+
+
+def _ray_like(src: Path, out: Path, world: int, alone_from: int | None = None) -> None:
+    """`src` copied to `out` as the ray backend records it with `world` trainers: each
+    recorded training step of trainers 0..world-1 gets the "allreduce" and "step" spans a Ray
+    trainer adds (`Trainer._trace_allreduce`, fp32: bits [32], bytes of a ring all-reduce;
+    a lone trainer sends 0 bytes); the other trainers' spans are dropped. `alone_from`: from
+    that step on, trainer 0 alone (a resize to 1)."""
+    from tidegraph.comm.buckets import ring_bytes
+
+    shutil.copytree(src, out)
+    for path in sorted((out / "timeline").glob("*.json")):
+        doc = json.loads(path.read_text())
+        meta = doc["otherData"]
+        meta.update(backend="ray", trainers=world)
+        names = {(e["pid"], e["tid"]): e["args"]["name"] for e in doc["traceEvents"]
+                 if e["ph"] == "M" and e["name"] == "thread_name"}  # fmt: skip
+        steps: dict = {}
+        kept = []
+        for e in doc["traceEvents"]:
+            name, a = names.get((e["pid"], e["tid"]), ""), e.get("args", {})
+            if name.startswith("trainer") and e["ph"] == "X" and a.get("pass") == "train":
+                rank = int(name.split()[1])
+                lone = alone_from is not None and a["step"] >= alone_from
+                if rank >= (1 if lone else world):
+                    continue
+                steps.setdefault((e["pid"], e["tid"], a["step"]), []).append(e)
+            kept.append(e)
+        for (pid, tid, step), spans in steps.items():
+            w = 1 if alone_from is not None and step >= alone_from else world
+            nbytes = ring_bytes(meta["grad_values"] * 4, w)
+            t0 = min(e["ts"] for e in spans)
+            t1 = max(e["ts"] + e["dur"] for e in spans)
+            back = max(e["ts"] + e["dur"] for e in spans if e["name"] == "backward")
+            events = sum(e["args"]["events"] for e in spans if e["name"] == "forward")
+            label = {"step": step, "pass": "train"}
+            kept.append({"name": "allreduce", "cat": "step", "ph": "X", "ts": back, "dur": 0.0,
+                         "pid": pid, "tid": tid, "args": {**label, "bytes": nbytes,
+                         "bytes_fp32": nbytes, "bits": [32], "world": w}})  # fmt: skip
+            kept.append({"name": "step", "cat": "step", "ph": "X", "ts": t0, "dur": t1 - t0,
+                         "pid": pid, "tid": tid, "args": {**label, "world": w,
+                         "events": events, "global_size": events * w}})  # fmt: skip
+        doc["traceEvents"] = kept
+        path.write_text(json.dumps(doc))
+    if world == 1:  # the records say so too
+        for name in ("metrics.jsonl", "summary.json"):
+            text = (out / name).read_text().replace('"trainers": 2', '"trainers": 1')
+            (out / name).write_text(text)
+
+
+def test_a_lone_trainer_sends_nothing(local_run, tmp_path, capsys):
+    """W = 1 on the ray backend: its all-reduce spans carry no peers, so the summary says
+    there was no all-reduce (no NaN bytes, no empty bits) and the traffic figure is not
+    drawn; the same run with 2 trainers has its bytes and bits."""
+    lone, pair = tmp_path / "lone", tmp_path / "pair"
+    _ray_like(local_run, lone, world=1)
+    _ray_like(local_run, pair, world=2)
+    code, out, err = _report(capsys, lone)
+    assert code == 0, err
+    assert "all-reduce: none (a lone trainer)" in out
+    assert "nan" not in out.lower() and "[]" not in out, out
+    page = (lone / "report.html").read_text()
+    assert "Not drawn: a lone trainer (W = 1) all run" in page
+    assert page.count("<img ") == 3  # quality, throughput, step split
+    code, out, err = _report(capsys, pair)
+    assert code == 0, err
+    values = json.loads((pair / "timeline" / "00000.json").read_text())["otherData"]["grad_values"]
+    mb = values * 4 / 1e6  # a ring all-reduce, W = 2: each rank sends 2 (W - 1) / W of fp32
+    want = f"all-reduce: {mb:.3f} MB sent a step per trainer (fp32 {mb:.3f} MB), bits per bucket"
+    assert f"{want} at the end [32]" in out, out
+    assert (pair / "report.html").read_text().count("<img ") == 4
+
+
+def test_bits_at_the_end_are_those_of_the_last_step_with_peers(local_run, tmp_path, capsys):
+    """2 trainers, then trainer 0 alone (a resize to 1): the summary's bits are the last
+    step's with peers, and the figure counts the lone steps."""
+    run = tmp_path / "run"
+    _ray_like(local_run, run, world=2, alone_from=18)
+    code, out, err = _report(capsys, run)
+    assert code == 0, err
+    assert re.search(r"all-reduce: [\d.]+ MB sent .* bits per bucket at the end \[32\]", out), out
+    assert re.search(r"blank: \d+ steps of a lone trainer", (run / "report.html").read_text())
 
 
 def test_no_such_directory(tmp_path, capsys):

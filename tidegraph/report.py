@@ -44,6 +44,7 @@ __all__ = [
     "Run",
     "bottleneck",
     "load_run",
+    "lone_trainers",
     "step_split",
     "summary_lines",
     "traffic",
@@ -125,9 +126,7 @@ def _read_metrics(run: Run, path: Path) -> None:
     by_increment: dict[int, dict] = {}
     pending: list[Marker] = []  # markers before the next phase 1 or increment record
     counts: dict[str, int] = defaultdict(int)
-    with path.open() as f:
-        lines = f.read().splitlines()
-    for i, line in enumerate(lines, 1):
+    for i, line in enumerate(_text(path).splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -210,14 +209,22 @@ def _node(node) -> str:
     return str(node)[:12] if node is not None else "?"
 
 
+def _text(path: Path) -> str:
+    """File `path`'s text; ReportError naming it when it is not UTF-8."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ReportError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
+
+
 def _read_mapping(path: Path) -> dict:
     """The mapping in JSON (by its suffix) or YAML file `path`; {} when there is none
     (summary.json: a run still going)."""
     if not path.is_file():
         return {}
-    is_json = path.suffix == ".json"
+    is_json, text = path.suffix == ".json", _text(path)
     try:
-        doc = json.loads(path.read_text()) if is_json else yaml.safe_load(path.read_text())
+        doc = json.loads(text) if is_json else yaml.safe_load(text)
     except (json.JSONDecodeError, yaml.YAMLError) as e:
         raise ReportError(f"{path}: not {'JSON' if is_json else 'YAML'} ({e})") from None
     if not isinstance(doc, dict):
@@ -235,25 +242,41 @@ def _read_trace(root: Path, notes: dict) -> dict | None:
     except FileNotFoundError as e:
         notes["timeline"] = str(e)
         return None
-    except (json.JSONDecodeError, KeyError, TypeError):
-        raise ReportError(_bad_trace_file(directory)) from None
+    # a file that is not JSON (or not UTF-8: a ValueError), not an object, or whose events
+    # are not objects with the fields load_trace reads
+    except (ValueError, AttributeError, KeyError, TypeError, UnicodeDecodeError) as e:
+        raise ReportError(_bad_trace_file(directory, e)) from None
     try:
         validate(doc)
-    except ValueError as e:
+    except (ValueError, AttributeError, TypeError) as e:
         raise ReportError(f"{directory}: {e}") from None
+    if not isinstance(doc.get("otherData"), dict):
+        raise ReportError(f"{directory}: the first file's otherData is not an object")
     return doc
 
 
-def _bad_trace_file(directory: Path) -> str:
-    """Which of the timeline's files is not a trace document, and why."""
+def _bad_trace_file(directory: Path, error: Exception) -> str:
+    """Which of the timeline's files is not a trace document, and why (`error`: what
+    reading them raised, for a damage this does not find)."""
     for p in sorted(directory.glob("*.json")):
         try:
-            doc = json.loads(p.read_text())
+            doc = json.loads(p.read_bytes().decode("utf-8"))
+        except UnicodeDecodeError as e:
+            return f"{p}: not UTF-8 text (byte {e.start}: {e.reason})"
         except json.JSONDecodeError as e:
             return f"{p}: not JSON ({e.msg}, line {e.lineno})"
         if not isinstance(doc, dict) or not isinstance(doc.get("traceEvents"), list):
             return f"{p}: no traceEvents list (not a Chrome trace)"
-    return f"{directory}: not a timeline this version writes"
+        if not all(isinstance(e, dict) for e in doc["traceEvents"]):
+            return f"{p}: a traceEvents entry is not an object"
+    return f"{directory}: not a timeline this version writes ({_why(error)})"
+
+
+def _why(error: Exception) -> str:
+    """An exception in words: a KeyError names the missing field."""
+    if isinstance(error, KeyError):
+        return f"no field {error.args[0]!r}" if error.args else "a field is missing"
+    return f"{type(error).__name__}: {error}"
 
 
 # ---- the timeline ---------------------------------------------------------------------------
@@ -301,24 +324,43 @@ def step_split(trace: dict) -> dict[str, dict[str, float]]:
     return out
 
 
+def _allreduce_spans(steps: list[list[dict]]) -> list[dict]:
+    """A trainer's recorded all-reduce spans with bytes (the ray backend's), in step order."""
+    return [e for s in steps for e in s if e["name"] == "allreduce" and "bytes" in e["args"]]
+
+
+def _with_peers(span: dict) -> bool:
+    return span["args"].get("world", 2) > 1
+
+
+def lone_trainers(trace: dict) -> bool:
+    """Whether trainers recorded all-reduce spans, but none in a step with peers: a W = 1
+    run (a lone trainer sends nothing)."""
+    spans = [e for steps in _train_steps(trace).values() for e in _allreduce_spans(steps)]
+    return bool(spans) and not any(map(_with_peers, spans))
+
+
 def traffic(trace: dict) -> dict[str, dict]:
     """Trainer track -> its all-reduce per recorded training step: mean "bytes" sent and
     "bytes_fp32" (what fp32 would send) over the steps it had peers in, "bits" (each recorded
     step's bits per bucket; [] for a step of a lone trainer, which sends nothing) and "steps"
     (their numbers), "alone" (how many such steps), and "bucket_bytes" (mean bytes per bucket
-    index: recorded per bucket with `comm.overlap` only). Empty when no trainer recorded an
-    all-reduce with bytes (the local backend sums gradients in the driver)."""
+    index over the steps with peers: recorded per bucket with `comm.overlap` only). A trainer
+    with no recorded step with peers is left out: empty when no trainer recorded an
+    all-reduce with bytes (the local backend sums gradients in the driver) or every one was
+    alone (`lone_trainers`)."""
     out = {}
     for name, steps in _train_steps(trace).items():
-        spans = [e for s in steps for e in s if e["name"] == "allreduce" and "bytes" in e["args"]]
-        if not spans:
+        spans = _allreduce_spans(steps)
+        peers = [e for e in spans if _with_peers(e)]
+        if not peers:
             continue
-        peers = [e for e in spans if e["args"].get("world", 2) > 1]
-        pids = {e["pid"] for e in spans}
+        sent = {(e["pid"], e["args"].get("step")) for e in peers}
         buckets: dict[int, list[float]] = defaultdict(list)
         for e in trace["traceEvents"]:
-            if e.get("name") == "allreduce bucket" and e.get("pid") in pids:
-                buckets[e["args"].get("bucket", 0)].append(e["args"].get("bytes", 0))
+            a = e.get("args", {})
+            if e.get("name") == "allreduce bucket" and (e.get("pid"), a.get("step")) in sent:
+                buckets[a.get("bucket", 0)].append(a.get("bytes", 0))
         out[name] = {
             "bytes": _mean(e["args"]["bytes"] for e in peers),
             "bytes_fp32": _mean(e["args"].get("bytes_fp32", 0) for e in peers),
@@ -346,6 +388,9 @@ def bottleneck(run: Run) -> tuple[str, list[tuple[str, float]]]:
         pred = predict(prof, Setting(trainers=prof.world))
     except ValueError as e:
         return f"not known: the timeline has no usable training steps ({e})", []
+    except (KeyError, TypeError, ZeroDivisionError) as e:  # spans without the args it reads
+        return (f"not known: the what-if model cannot read the timeline's training steps "
+                f"({_why(e)})"), []  # fmt: skip
     if not prof.period_ms > 0 or not pred.step_ms > 0:  # NaN too
         got = f"step period {prof.period_ms:.2f} ms, modelled step {pred.step_ms:.2f} ms"
         return f"not known: the what-if model read no usable step from the timeline ({got})", []
@@ -432,7 +477,9 @@ def _timeline_lines(run: Run) -> list[str]:
     if sent:
         b = _mean(t["bytes"] for t in sent.values())
         f = _mean(t["bytes_fp32"] for t in sent.values())
-        bits = next(iter(sent.values()))["bits"][-1]
+        bits = next((x for x in reversed(next(iter(sent.values()))["bits"]) if x), "?")
         out.append(f"  all-reduce: {b / 1e6:.3f} MB sent a step per trainer (fp32 "
                    f"{f / 1e6:.3f} MB), bits per bucket at the end {bits}")  # fmt: skip
+    elif lone_trainers(run.trace):
+        out.append("  all-reduce: none (a lone trainer)")
     return out

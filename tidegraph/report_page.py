@@ -15,16 +15,25 @@ import io
 from collections import defaultdict
 from dataclasses import dataclass
 
-from tidegraph.report import MARKERS, SPLIT, STALL, Run, bottleneck, step_split, traffic
+from tidegraph.report import (
+    MARKERS,
+    SPLIT,
+    STALL,
+    Run,
+    bottleneck,
+    lone_trainers,
+    step_split,
+    traffic,
+)
 
 __all__ = ["MissingExtra", "Plot", "figures", "page"]
 
-COLORS = {"recovery": "#d62728", "resize": "#1f77b4", "shard_resize": "#9467bd",
-          "shard_move": "#8c564b"}  # fmt: skip
+_COLORS = {"recovery": "#d62728", "resize": "#1f77b4", "shard_resize": "#9467bd",
+           "shard_move": "#8c564b"}  # fmt: skip
 # one colour per phase of a step (matplotlib's tab10, then grey for the rest)
-PHASE_COLORS = dict(zip((*SPLIT, "other"), ["#1f77b4", "#aec7e8", "#ff7f0e", "#ffbb78",
-                    "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#bbbbbb"],
-                    strict=True))  # fmt: skip
+_PHASE_COLORS = dict(zip((*SPLIT, "other"), ["#1f77b4", "#aec7e8", "#ff7f0e", "#ffbb78",
+                     "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#bbbbbb"],
+                     strict=True))  # fmt: skip
 
 
 class MissingExtra(ImportError):
@@ -80,13 +89,13 @@ def _marker_lines(ax, run: Run, labels: bool) -> None:
         for i, m in enumerate(group):
             name = MARKERS[m.kind][0]
             dx = (i - (len(group) - 1) / 2) * 0.08
-            ax.axvline(x + dx, color=COLORS[m.kind], linestyle=":", linewidth=1.4,
+            ax.axvline(x + dx, color=_COLORS[m.kind], linestyle=":", linewidth=1.4,
                        label=None if name in shown else name)  # fmt: skip
             shown.add(name)
             if labels:
                 ax.annotate(m.tag, (x + dx, 1.0), xycoords=("data", "axes fraction"),
                             xytext=(0, 1 + 9 * i), textcoords="offset points", va="bottom",
-                            ha="center", fontsize=8, color=COLORS[m.kind])  # fmt: skip
+                            ha="center", fontsize=8, color=_COLORS[m.kind])  # fmt: skip
 
 
 def _increment_axis(ax, run: Run) -> None:
@@ -171,7 +180,7 @@ def _split(run: Run) -> Plot:
         widths = [split[n][phase] for n in names]
         if not any(widths):
             continue
-        ax.barh(names, widths, left=left, color=PHASE_COLORS[phase], label=phase)
+        ax.barh(names, widths, left=left, color=_PHASE_COLORS[phase], label=phase)
         left = [a + b for a, b in zip(left, widths, strict=True)]
     for y, total in enumerate(left):
         ax.annotate(f"{total:.1f} ms", (total, y), xytext=(3, 0), textcoords="offset points",
@@ -199,7 +208,8 @@ def _split(run: Run) -> Plot:
 def _bits(run: Run, sent: dict) -> tuple[list, list[list[int]], str]:
     """(x values, bits per bucket at each, where from): every recorded step of the first
     trainer (every rank decodes the same bits), else metrics.jsonl's comm_bits records (by
-    trainer 0's step count), else 32 for an uncompressed run."""
+    trainer 0's step count), else 32 for an uncompressed run; no bits, and why, when
+    neither config.yaml nor summary.json says the compression."""
     for t in sent.values():
         if any(t["bits"]):
             return t["steps"], t["bits"], "the timeline's recorded steps"
@@ -208,14 +218,28 @@ def _bits(run: Run, sent: dict) -> tuple[list, list[list[int]], str]:
                 [list(r["bits"]) for r in run.comm_bits],
                 "metrics.jsonl's comm_bits records")  # fmt: skip
     compression = run.summary.get("comm", {}).get("config", {}).get("compression") or (
-        run.config.get("comm", {}).get("compression", "none"))  # fmt: skip
+        run.config.get("comm", {}).get("compression", "none") if run.config else None)  # fmt: skip
+    if compression is None:
+        return [], [], "the compression is not known (no config.yaml or summary.json)"
     if compression == "none":
         return [0], [[32]], "comm.compression none: every bucket goes fp32"
     return [], [], ""
 
 
-BITS = (0, 2, 4, 8, 16, 32)  # bits a gradient value can travel with (0: top-k)
-BITS_COLORS = ("#dddddd", "#fde725", "#5ec962", "#21918c", "#3b528b", "#440154")
+def _lone(run: Run) -> bool:
+    """Whether the run never had two trainers: its recorded all-reduce spans were all a lone
+    trainer's, or (none recorded: no timeline, or the local backend's) it had one trainer
+    at phase 1 and at the end, and no resize."""
+    if run.trace is not None and traffic(run.trace):
+        return False
+    if run.trace is not None and lone_trainers(run.trace):
+        return True
+    counts = {(run.phase1 or {}).get("trainers"), run.summary.get("trainers")} - {None}
+    return counts == {1} and not run.count("resize")
+
+
+_BITS = (0, 2, 4, 8, 16, 32)  # bits a gradient value can travel with (0: top-k)
+_BITS_COLORS = ("#dddddd", "#fde725", "#5ec962", "#21918c", "#3b528b", "#440154")
 
 
 def _bytes_per_bucket(ax, sent: dict) -> None:
@@ -255,7 +279,7 @@ def _bits_map(fig, ax, xs: list, cols: list[list[int]], xlabel: str) -> None:
 
     n = max(len(c) for c in cols)
     grid = [[c[b] if b < len(c) else float("nan") for c in cols] for b in range(n)]  # blank
-    cmap = ListedColormap(BITS_COLORS)
+    cmap = ListedColormap(_BITS_COLORS)
     norm = BoundaryNorm([-1, 1, 3, 6, 12, 24, 40], cmap.N)
     image = ax.imshow(grid, aspect="auto", origin="lower", cmap=cmap, norm=norm,
                       interpolation="nearest")  # fmt: skip
@@ -265,7 +289,7 @@ def _bits_map(fig, ax, xs: list, cols: list[list[int]], xlabel: str) -> None:
     ax.set_xlabel(xlabel)
     ax.set_ylabel("bucket")
     bar = fig.colorbar(image, ax=ax, ticks=[0, 2, 4.5, 9, 18, 32], fraction=0.08)
-    bar.ax.set_yticklabels([str(b) for b in BITS])
+    bar.ax.set_yticklabels([str(b) for b in _BITS])
     bar.set_label("bits a value")
     if len(cols) <= 8 and n <= 8:  # few cells: each says its bits
         for b in range(n):
@@ -278,9 +302,13 @@ def _bits_map(fig, ax, xs: list, cols: list[list[int]], xlabel: str) -> None:
 def _traffic(run: Run) -> Plot:
     title = "All-reduce: bytes sent a step and bits per bucket"
     sent = traffic(run.trace) if run.trace is not None else {}
+    if not sent and _lone(run):
+        return Plot("traffic", title, None, "Not drawn: a lone trainer (W = 1) all run, which "
+                    "sends nothing: no all-reduce.")  # fmt: skip
     xs, cols, source = _bits(run, sent)
     if not sent and not cols:
-        return Plot("traffic", title, None, "Not drawn: no all-reduce was recorded.")
+        why = f"; {source}" if source else ""
+        return Plot("traffic", title, None, f"Not drawn: no all-reduce was recorded{why}.")
     # the bits alone at one x (an uncompressed run, or a single record): a small figure
     fig = _figure() if sent or len(xs) > 1 else _figure(width=4.5, height=2.2)
     if sent:
@@ -332,7 +360,7 @@ def _cache(run: Run) -> Plot:
 
 # ---- the page -------------------------------------------------------------------------------
 
-CSS = """
+_CSS = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1000px; color: #222; }
 h1 { font-size: 1.5em; } h2 { font-size: 1.15em; margin-top: 1.6em; }
 pre { background: #f6f6f6; padding: 0.8em; overflow-x: auto; font-size: 0.85em; }
@@ -356,8 +384,8 @@ def _table(head: list[str], rows: list[list], text: set[int] = frozenset()) -> s
     return "".join(out) + "</table>"
 
 
-INCREMENT_HEAD = ["increment", "events", "AP", "AUC", "MRR", "old AP", "loss", "replayed",
-                  "eval events/s", "train events/s"]  # fmt: skip
+_INCREMENT_HEAD = ["increment", "events", "AP", "AUC", "MRR", "old AP", "loss", "replayed",
+                   "eval events/s", "train events/s"]  # fmt: skip
 
 
 def _increments_table(run: Run) -> str:
@@ -373,7 +401,7 @@ def _increments_table(run: Run) -> str:
             hit = r.get("edge_cache_hit_rate")
             row.append("" if hit is None else f"{hit:.3f}")
         rows.append(row)
-    return _table(INCREMENT_HEAD + (["cache hit rate"] if cache else []), rows)
+    return _table(_INCREMENT_HEAD + (["cache hit rate"] if cache else []), rows)
 
 
 def page(
@@ -407,5 +435,5 @@ def page(
                             {0}))  # fmt: skip
     body = "\n".join(parts)
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
-            f"<title>tidegraph report: {html.escape(run.name)}</title><style>{CSS}</style>"
+            f"<title>tidegraph report: {html.escape(run.name)}</title><style>{_CSS}</style>"
             f"</head><body>\n{body}\n</body></html>\n")  # fmt: skip
