@@ -19,11 +19,12 @@ link_gbps, link_latency_us, veth bytes), and a table and link_summary.json (or -
 events/s per setting beside the all-reduce bytes the trace counts.
 
 Needs root, `ip` and `tc`. The namespace and the veth are made here and deleted by name in
-`finally`; it refuses to run if either exists. The two Ray nodes are started here (`ray start
---block`, each in a session of its own, under a temporary directory) and stopped by their
-process ids: SIGTERM, then SIGKILL after a bounded wait (never `ray stop`, which stops every
-Ray on the machine). Ray's token authentication is taken as this environment has it
-(RAY_AUTH_MODE; unset: on where a token exists, as `ray start --head` decides) and passed to
+`finally`, only those this run made; it refuses to run if either exists (and then deletes
+nothing). The two Ray nodes are started here (`ray start --block`, each in a session of its
+own, under a temporary directory) and stopped by their process ids: SIGTERM, then SIGKILL after
+a bounded wait (never `ray stop`, which stops every Ray on the machine). SIGTERM to this script
+ends it through the same cleanup. Ray's token authentication is taken as this environment has
+it (RAY_AUTH_MODE; unset: on where a token exists, as `ray start --head` decides) and passed to
 both nodes and this driver explicitly, since a node joining with `ray start --address` does not
 look for a token on its own.
 
@@ -84,15 +85,19 @@ def _sh(*cmd: str) -> None:
     subprocess.run(cmd, check=True, timeout=30, capture_output=True)
 
 
-def make_link() -> None:
-    """The namespace and the veth pair, addressed and up; refused if either exists."""
+def make_link(made: set[str]) -> None:
+    """The namespace and the veth pair, addressed and up; refused if either exists. Each one
+    made goes into `made` ("netns", "veth") as soon as it exists: `drop_link` deletes those
+    only, never another run's."""
     names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True,
                            timeout=30).stdout.split()  # fmt: skip
     if NS in names or any(Path(f"/sys/class/net/{v}").exists() for v in VETH):
         raise RuntimeError(f"network namespace {NS} or veth {VETH[0]} exists already; not "
                            "touching them (another run of this benchmark?)")  # fmt: skip
     _sh("ip", "netns", "add", NS)
+    made.add("netns")
     _sh("ip", "link", "add", VETH[0], "type", "veth", "peer", "name", VETH[1], "netns", NS)
+    made.add("veth")
     _sh("ip", "addr", "add", f"{ADDR[0]}/24", "dev", VETH[0])
     _sh("ip", "link", "set", VETH[0], "up")
     _sh("ip", "-n", NS, "addr", "add", f"{ADDR[1]}/24", "dev", VETH[1])
@@ -100,10 +105,13 @@ def make_link() -> None:
     _sh("ip", "-n", NS, "link", "set", "lo", "up")
 
 
-def drop_link() -> None:
-    """Delete the namespace (its end of the veth goes with it, and so the pair) by name."""
-    subprocess.run(["ip", "netns", "del", NS], capture_output=True, timeout=30)
-    subprocess.run(["ip", "link", "del", VETH[0]], capture_output=True, timeout=30)
+def drop_link(made: set[str]) -> None:
+    """Delete, by name, what `make_link` made: the namespace (its end of the veth goes with
+    it, and so the pair), and the veth."""
+    if "netns" in made:
+        subprocess.run(["ip", "netns", "del", NS], capture_output=True, timeout=30)
+    if "veth" in made:
+        subprocess.run(["ip", "link", "del", VETH[0]], capture_output=True, timeout=30)
 
 
 def gbps(rate: str) -> float | None:
@@ -150,9 +158,10 @@ def _free_port(host: str = "") -> int:
         return s.getsockname()[1]
 
 
-def start_nodes(args, tmp: str) -> tuple[list[subprocess.Popen], str]:
+def start_nodes(args, tmp: str, procs: list[subprocess.Popen]) -> str:
     """The head (here, on the veth's end) and the second node (in the namespace), each a
-    `ray start --block` in a session of its own; (their processes, the head's address)."""
+    `ray start --block` in a session of its own, appended to `procs` as each starts (so a
+    wait that times out leaves them to the caller's cleanup); the head's address."""
     env = {**os.environ, "RAY_AUTH_MODE": AUTH, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"}
     env.pop("RAY_ADDRESS", None)
     port = _free_port(ADDR[0])
@@ -170,7 +179,6 @@ def start_nodes(args, tmp: str) -> tuple[list[subprocess.Popen], str]:
     other = ["ip", "netns", "exec", NS, RAY, "start", f"--address={ADDR[0]}:{port}",
              f"--node-ip-address={ADDR[1]}", f"--num-cpus={args.worker_cpus}",
              "--resources=" + json.dumps({"tg_trainer": 1}), *common]  # fmt: skip
-    procs = []
     for cmd, iface, name in ((head, VETH[0], "head"), (other, VETH[1], "other")):
         with open(Path(tmp, f"{name}.log"), "w") as log:  # the node holds its own copy
             procs.append(subprocess.Popen(cmd, env={**env, "GLOO_SOCKET_IFNAME": iface},
@@ -180,7 +188,7 @@ def start_nodes(args, tmp: str) -> tuple[list[subprocess.Popen], str]:
             until(lambda: _listening(ADDR[0], port) or _exited(procs), 120, "the head's GCS")
         if _exited(procs):
             break
-    return procs, f"{ADDR[0]}:{port}"
+    return f"{ADDR[0]}:{port}"
 
 
 def _listening(host: str, port: int) -> bool:
@@ -288,6 +296,11 @@ def _allreduce_bytes(trace: list[dict]) -> int:
                if e.get("ph") == "X" and e.get("name") == "allreduce")  # fmt: skip
 
 
+def _terminated(signum: int, frame) -> None:
+    """SIGTERM: leave through `main`'s `finally` (the nodes stopped, the link deleted)."""
+    raise SystemExit(128 + signum)
+
+
 def _list(text: str) -> list[str]:
     return [x for x in text.split(",") if x]
 
@@ -328,10 +341,12 @@ def main() -> None:
     stream = load_stream(args.dataset, args.max_events)
     tmp = tempfile.mkdtemp(prefix="tglink", dir="/tmp")  # short: Ray's socket paths
     procs: list[subprocess.Popen] = []
+    made: set[str] = set()
     rows = []
+    signal.signal(signal.SIGTERM, _terminated)  # ray.init sets one that exits the same way
     try:
-        make_link()
-        procs, address = start_nodes(args, tmp)
+        make_link(made)
+        address = start_nodes(args, tmp, procs)
         if _exited(procs):
             raise RuntimeError(f"a Ray node did not start:\n{_log_tail(tmp)}")
         ray.init(address=address, _node_ip_address=ADDR[0], namespace="bench-link",
@@ -349,11 +364,13 @@ def main() -> None:
                     rows.append(measure(args, stream, rate, compression, overlap))
                     print_table(rows[-1:])
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM: the cleanup goes on
         if ray.is_initialized():
             ray.shutdown()
         stop_nodes(procs, tmp)
-        drop_link()
+        drop_link(made)
         shutil.rmtree(tmp, ignore_errors=True)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
     print(f"{machine()}; {args.dataset} {args.max_events} events, TGN, batch {args.batch_size}, "
           f"W = 2 across a veth, latency {args.latency_us:g} us each way")  # fmt: skip
     print_table(rows)

@@ -2,8 +2,12 @@
 
 `connect(config)`: with `RAY_ADDRESS` set (a cluster, or inside `ray job submit`) join it;
 otherwise start a local Ray bound to 127.0.0.1 with enough logical CPUs for the run's actors
-(trainers x `trainer_cpus` + shards x `shard_cpus`, at least the machine's cores, and the custom
-resources of `cluster.trainer_resources` and `shard_resources` as many times). Works with
+(trainers x `trainer_cpus` + shards x `shard_cpus`, at least the machine's cores) and plenty of
+each custom resource of `cluster.trainer_resources` and `shard_resources` (`_LOCAL_PLENTY`
+times what the run's actors ask at most, at least `_LOCAL_FLOOR`). On one node such resources
+choose no node, so there is no point in counting them exactly; an exact count would leave no
+room for a bundle asked while an old one is still held: a moved partition's or a replica's
+successor (`shard_table`), a replacement or joining trainer, more shard actors. Works with
 Ray's token authentication on or off (a local start makes its own token; a cluster's is read
 from the environment or ~/.ray as Ray does).
 """
@@ -26,6 +30,11 @@ __all__ = ["connect", "loopback_cluster", "until"]
 
 log = logging.getLogger(__name__)
 
+# a local Ray's custom resources: this many times what the run's actors ask at most (max
+# trainers and spares, max shard actors and their replicas), and at least this many units
+_LOCAL_PLENTY = 4
+_LOCAL_FLOOR = 1000
+
 
 def connect(config) -> bool:
     """Make Ray available to this process; returns True when it started a local instance."""
@@ -42,11 +51,7 @@ def connect(config) -> bool:
     shards = c.shards * getattr(c, "shard_replicas", 1)
     need = math.ceil(trainers * c.trainer_cpus + shards * c.shard_cpus)
     cpus = max(os.cpu_count() or 1, need)
-    resources: dict[str, float] = {}  # custom ones, for every actor that asks
-    for count, asked in ((trainers, c.trainer_resources), (shards, c.shard_resources)):
-        for name, amount in asked.items():
-            resources[name] = resources.get(name, 0) + count * amount
-    resources = {k: math.ceil(v) for k, v in resources.items()}  # a node's are whole numbers
+    resources = _local_resources(c)
     ray.init(
         _node_ip_address="127.0.0.1", num_cpus=cpus, resources=resources or None,
         namespace=namespace, include_dashboard=False, configure_logging=False,
@@ -54,6 +59,18 @@ def connect(config) -> bool:
     log.info("started a local Ray with %d logical CPUs%s (namespace %r)", cpus,
              f" and {resources}" if resources else "", namespace)  # fmt: skip
     return True
+
+
+def _local_resources(c) -> dict[str, int]:
+    """A local Ray's custom resources (see the module's docstring): plenty of each one the
+    run's trainers and shard actors ask for, in whole units as a node's are."""
+    trainers = (getattr(c, "max_trainers", None) or c.trainers) + getattr(c, "spare_trainers", 0)
+    shards = (getattr(c, "max_shards", None) or c.shards) * getattr(c, "shard_replicas", 1)
+    most: dict[str, float] = {}
+    for count, asked in ((trainers, c.trainer_resources), (shards, c.shard_resources)):
+        for name, amount in asked.items():
+            most[name] = most.get(name, 0) + count * amount
+    return {k: max(_LOCAL_FLOOR, math.ceil(_LOCAL_PLENTY * v)) for k, v in most.items()}
 
 
 def loopback_cluster(
