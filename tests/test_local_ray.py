@@ -77,6 +77,7 @@ def _move(name: str, out: Path, seen: dict, errors: list) -> None:
         errors.append(e)
 
 
+@pytest.mark.slow  # 20 s: a job's own Ray start and a partition move
 def test_a_partition_moves_on_the_local_ray_a_job_starts(
     tmp_path, monkeypatch, quick_polls, members_first
 ):
