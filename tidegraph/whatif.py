@@ -49,16 +49,16 @@ __all__ = ["PHASE_A", "PHASE_B", "Model", "Prediction", "Setting", "StepProfile"
 
 PHASE_A = ("sample", "fetch", "forward", "updates")  # a rank's spans before the exchange
 PHASE_B = ("backward",)  # between the exchange's start and the all-reduce
-ONE_OFF = 5.0  # a recorded step this many times the median is a one-off (see `profile`)
+_ONE_OFF = 5.0  # a recorded step this many times the median is a one-off (see `profile`)
 # bits a value costs on the wire: the codes and a chunk's fp32 offset and scale (64 bits a
 # chunk of 256 values); adaptive: its narrowest default
-BITS = {"none": 32, "q8": 8.25, "q4": 4.25, "adaptive": 4.25}
-WIDTHS = (2, 4, 8)  # the codec's code widths
+_BITS = {"none": 32, "q8": 8.25, "q4": 4.25, "adaptive": 4.25}
+_WIDTHS = (2, 4, 8)  # the codec's code widths
 
 
 def _width(bits: float) -> int:
     """The codec's code width nearest `bits` a value (adaptive runs mix them)."""
-    return min(WIDTHS, key=lambda c: abs(c - bits))
+    return min(_WIDTHS, key=lambda c: abs(c - bits))
 
 
 @dataclass
@@ -210,10 +210,10 @@ def _profile(doc: dict) -> StepProfile:
         if gathers:
             sent.append(sum(e["args"]["bytes"] for e in gathers))
     # one-off steps (a pass's first, a kernel's compile, a pause) are not what a step's spans
-    # cost: a step over ONE_OFF x the median counts as a median one in them, and its excess
+    # cost: a step over _ONE_OFF x the median counts as a median one in them, and its excess
     # stays in the period (between steps: a pass has such costs, per pass or per run)
     typical = statistics.median(per_step["step"])
-    off = {i for i, ms in enumerate(per_step["step"]) if ms > ONE_OFF * typical}
+    off = {i for i, ms in enumerate(per_step["step"]) if ms > _ONE_OFF * typical}
     med = {}
     for k, v in per_step.items():
         mid = statistics.median(v)
@@ -367,8 +367,8 @@ class Setting:
     def __post_init__(self) -> None:
         if self.trainers < 1:
             raise ValueError(f"trainers must be >= 1, got {self.trainers}")
-        if self.compression is not None and self.compression not in BITS:
-            raise ValueError(f"compression must be one of {', '.join(BITS)}, got "
+        if self.compression is not None and self.compression not in _BITS:
+            raise ValueError(f"compression must be one of {', '.join(_BITS)}, got "
                              f"{self.compression!r}")  # fmt: skip
         if self.scale_rule not in ("keep", "linear"):
             raise ValueError(f"scale_rule must be keep or linear, got {self.scale_rule!r}")
@@ -452,7 +452,7 @@ def predict(m: Model | StepProfile, s: Setting) -> Prediction:
     phase_b = sum(span.get(k, 0.0) for k in PHASE_B) * (1 + m.cv_b * _expected_max(W))
     recorded = p.meta.get("compression", "none")
     same = s.compression is None or s.compression == recorded
-    bits = p.bits if same else BITS[s.compression]
+    bits = p.bits if same else _BITS[s.compression]
     overlap = p.overlap if s.overlap is None else s.overlap
     share = _share(W)
     ar = codec = exchange = 0.0
