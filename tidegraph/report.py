@@ -34,7 +34,7 @@ from pathlib import Path
 
 import yaml
 
-from tidegraph.timeline import load_trace, validate
+from tidegraph.timeline import load_trace, trainer_step_spans, validate
 
 __all__ = [
     "MARKERS",
@@ -286,16 +286,9 @@ def _train_steps(trace: dict) -> dict[str, list[list[dict]]]:
     """Trainer track name -> its recorded training steps in time order, each a list of spans
     (a trainer replaced after a loss: a new process under the same name, steps kept apart by
     pid)."""
-    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in trace["traceEvents"]
-             if e.get("ph") == "M" and e["name"] == "thread_name"}  # fmt: skip
     steps: dict = defaultdict(lambda: defaultdict(list))
-    for e in trace["traceEvents"]:
-        a = e.get("args", {})
-        if e.get("ph") != "X" or e.get("cat") != "step" or a.get("pass") != "train":
-            continue
-        name = names.get((e["pid"], e["tid"]), "")
-        if name.startswith("trainer"):
-            steps[name][(e["pid"], a.get("step"))].append(e)
+    for name, e in trainer_step_spans(trace):
+        steps[name][(e["pid"], e["args"].get("step"))].append(e)
     return {name: sorted(by.values(), key=lambda spans: min(e["ts"] for e in spans))
             for name, by in sorted(steps.items())}  # fmt: skip
 

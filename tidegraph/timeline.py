@@ -33,6 +33,7 @@ __all__ = [
     "keep_overlapping",
     "load_trace",
     "payload_bytes",
+    "trainer_step_spans",
     "shift",
     "timeline_meta",
     "trace_document",
@@ -112,6 +113,19 @@ class Tracer:
 
     def process_name(self) -> str:
         return f"{self.process or self.name} (pid {self.pid})"
+
+
+def trainer_step_spans(doc: dict) -> Iterator[tuple[str, dict]]:
+    """(track name, span) of every training step's span on a trainer's track in `doc` (the
+    what-if model and the run report read these)."""
+    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in doc["traceEvents"]
+             if e.get("ph") == "M" and e["name"] == "thread_name"}  # fmt: skip
+    for e in doc["traceEvents"]:
+        if e.get("ph") != "X" or e.get("cat") != "step" or e["args"].get("pass") != "train":
+            continue
+        name = names.get((e["pid"], e["tid"]), "")
+        if name.startswith("trainer"):
+            yield name, e
 
 
 def payload_bytes(obj) -> int:

@@ -44,6 +44,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tidegraph.timeline import trainer_step_spans
+
 __all__ = ["PHASE_A", "PHASE_B", "Model", "Prediction", "Setting", "StepProfile", "calibrate",
            "codec_seconds", "predict", "profile"]  # fmt: skip
 
@@ -133,15 +135,9 @@ def _expected_max(world: int) -> float:
 
 def _trainer_steps(doc: dict) -> dict:
     """step -> rank track -> span name -> [events], the training steps of trainer tracks."""
-    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in doc["traceEvents"]
-             if e.get("ph") == "M" and e["name"] == "thread_name"}  # fmt: skip
     steps: dict = defaultdict(lambda: defaultdict(dict))
-    for e in doc["traceEvents"]:
-        a = e.get("args", {})
-        if e.get("ph") != "X" or e.get("cat") != "step" or a.get("pass") != "train":
-            continue
-        if names.get((e["pid"], e["tid"]), "").startswith("trainer"):
-            steps[a["step"]][(e["pid"], e["tid"])].setdefault(e["name"], []).append(e)
+    for _, e in trainer_step_spans(doc):
+        steps[e["args"]["step"]][(e["pid"], e["tid"])].setdefault(e["name"], []).append(e)
     return steps
 
 
