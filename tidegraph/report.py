@@ -34,7 +34,7 @@ from pathlib import Path
 
 import yaml
 
-from tidegraph.timeline import load_trace, trainer_step_spans, validate
+from tidegraph.timeline import load_trace, trainer_step_spans
 
 __all__ = [
     "MARKERS",
@@ -246,10 +246,6 @@ def _read_trace(root: Path, notes: dict) -> dict | None:
     # are not objects with the fields load_trace reads
     except (ValueError, AttributeError, KeyError, TypeError, UnicodeDecodeError) as e:
         raise ReportError(_bad_trace_file(directory, e)) from None
-    try:
-        validate(doc)
-    except (ValueError, AttributeError, TypeError) as e:
-        raise ReportError(f"{directory}: {e}") from None
     if not isinstance(doc.get("otherData"), dict):
         raise ReportError(f"{directory}: the first file's otherData is not an object")
     return doc
