@@ -33,6 +33,7 @@ __all__ = [
     "keep_overlapping",
     "load_trace",
     "payload_bytes",
+    "read_trace",
     "trainer_step_spans",
     "shift",
     "timeline_meta",
@@ -230,6 +231,18 @@ def validate(doc: dict) -> None:
             raise ValueError(f"trace: event {i} is not a complete or metadata event: {e}")
 
 
+def read_trace(file: str) -> dict:
+    """The trace document in `file`; one that is not (not UTF-8, not JSON, not this module's
+    format): ValueError naming it."""
+    try:
+        with open(file, encoding="utf-8") as f:
+            doc = json.load(f)
+        validate(doc)
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ValueError(f"{file}: not a trace file ({e})") from None
+    return doc
+
+
 def load_trace(path: str) -> dict:
     """The merged trace of run directory `path` (its `timeline/*.json`, in order): one
     document whose `otherData` is the first part's. A file that is not a trace: ValueError
@@ -245,13 +258,7 @@ def load_trace(path: str) -> dict:
         raise FileNotFoundError(f"{directory}: no trace files (run with --timeline)")
     events, meta, seen = [], None, set()
     for name in names:
-        file = os.path.join(directory, name)
-        try:
-            with open(file, encoding="utf-8") as f:
-                doc = json.load(f)
-            validate(doc)
-        except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
-            raise ValueError(f"{file}: not a trace file ({e})") from None
+        doc = read_trace(os.path.join(directory, name))
         meta = doc.get("otherData", {}) if meta is None else meta
         for e in doc["traceEvents"]:
             if e.get("ph") == "M":  # names repeat in every part: keep each once

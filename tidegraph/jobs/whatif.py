@@ -13,11 +13,10 @@ part and the costs that grow with W are then fitted over all of them.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
-from tidegraph.timeline import load_trace, validate
+from tidegraph.timeline import load_trace, read_trace
 from tidegraph.whatif import Setting, calibrate, predict, profile
 
 __all__ = ["main"]
@@ -52,14 +51,9 @@ def _load(source: str) -> dict:
     if os.path.isdir(source):
         return load_trace(source)
     try:
-        with open(source) as f:
-            doc = json.load(f)
+        return read_trace(source)
     except FileNotFoundError:
         raise FileNotFoundError(f"{source}: no such run directory or trace file") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{source}: not a JSON trace ({e})") from None
-    validate(doc)
-    return doc
 
 
 def main(argv: list[str] | None = None) -> int:
