@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import glob
-import json
 import sys
 from pathlib import Path
 
@@ -27,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import write_json  # noqa: E402
 
+from tidegraph.timeline import read_trace  # noqa: E402
 from tidegraph.whatif import Setting, calibrate, predict, profile  # noqa: E402
 
 
@@ -52,7 +52,7 @@ def main() -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args()
     files = sorted(glob.glob(args.traces))
-    docs = {Path(f).stem: json.loads(Path(f).read_text()) for f in files}
+    docs = {Path(f).stem: read_trace(f) for f in files}
     profiles = {k: profile(d) for k, d in docs.items()}
 
     def pick(part: str) -> str:
