@@ -20,9 +20,21 @@ setup(
         "pyyaml>=6",
     ],
     extras_require={
-        # the report's tests render its figures (`report`)
-        "test": ["pytest>=8", "hypothesis>=6.100", "ruff>=0.5", "matplotlib>=3.7"],
+        # the report's tests render its figures (`report`); serving's run Ray Serve (`serve`)
+        "test": [
+            "pytest>=8",
+            "hypothesis>=6.100",
+            "ruff>=0.5",
+            "matplotlib>=3.7",
+            "ray[serve]>=2.40",
+        ],
         "report": ["matplotlib>=3.7"],
+        "serve": ["ray[serve]>=2.40"],
     },
-    entry_points={"console_scripts": ["tidegraph-train=tidegraph.jobs.train:main"]},
+    entry_points={
+        "console_scripts": [
+            "tidegraph-train=tidegraph.jobs.train:main",
+            "tidegraph-serve=tidegraph.jobs.serve:main",
+        ]
+    },
 )

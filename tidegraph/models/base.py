@@ -52,7 +52,7 @@ class LinkPredictor(nn.Module):
         a = self.lin_src(z_src)
         both = self.lin_dst(torch.cat([z_dst, z_neg.reshape(b * q, d)]))
         pos = self.out(torch.relu(a + both[:b])).squeeze(-1)
-        neg = self.out(torch.relu(a.unsqueeze(1) + both[b:].view(b, q, -1))).squeeze(-1)
+        neg = self.out(torch.relu(a.unsqueeze(1) + both[b:].view(b, q, both.shape[-1]))).squeeze(-1)
         return pos, neg
 
 
@@ -97,7 +97,7 @@ class TemporalModel(nn.Module):
             z = self.embed(*link_roots(src, dst, neg_BQ, t), blocks)
         else:
             z = gather_rows(self.embed(first.dst_ids, first.dst_ts, blocks), first.root_index)
-        z_src, z_dst, z_neg = z[:b], z[b : 2 * b], z[2 * b :].view(b, q, -1)
+        z_src, z_dst, z_neg = z[:b], z[b : 2 * b], z[2 * b :].view(b, q, z.shape[-1])
         return self.predictor.pairs(z_src, z_dst, z_neg)
 
     # ---- node state (no-ops for stateless models) -----------------------------------------

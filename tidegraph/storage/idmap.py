@@ -122,6 +122,26 @@ class IdMap:
             out[outside] = self._lookup_add(flat[outside])
         return torch.from_numpy(out.reshape(array.shape))
 
+    def lookup(self, ids) -> tuple[torch.Tensor, torch.Tensor]:
+        """(dense ids, found) of int64 external `ids` (1-D), adding none: absent ones get 0."""
+        if self.kind != "int":
+            raise TypeError("IdMap.lookup: this map holds string ids; use lookup_text")
+        flat = _numpy(ids).reshape(-1)
+        dense, found = flat.copy(), np.ones(flat.size, dtype=bool)
+        outside = (flat < 0) | (flat >= self.identity_bound)
+        if outside.any():
+            dense[outside], found[outside] = self._find(flat[outside])
+        return torch.from_numpy(dense), torch.from_numpy(found)
+
+    def lookup_text(self, values: pa.Array) -> tuple[torch.Tensor, torch.Tensor]:
+        """(dense ids, found) of string external ids, adding none: absent ones get 0."""
+        if self.kind != "str":
+            raise TypeError("IdMap.lookup_text: this map holds int ids; use lookup")
+        index = pc.index_in(values.cast(pa.large_string()), value_set=self._text)
+        found = index.is_valid().to_numpy(zero_copy_only=False)
+        dense = index.fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
+        return torch.from_numpy(dense), torch.from_numpy(found.copy())
+
     def map_events(self, src, dst, chunk: int = 1 << 20) -> tuple[torch.Tensor, torch.Tensor]:
         """(src, dst) of events mapped, new ids in order of first appearance, src before dst;
         `chunk` events at a time (the same ids; bounded temporary memory)."""

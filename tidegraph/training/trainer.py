@@ -25,8 +25,9 @@ import torch
 import torch.nn.functional as F
 
 from tidegraph.comm.buckets import ring_bytes
-from tidegraph.models.base import TemporalModel, link_roots
+from tidegraph.models.base import TemporalModel, first_block, link_roots
 from tidegraph.models.config import build_model
+from tidegraph.ops import gather_rows
 from tidegraph.sampling.keyed import step_key
 from tidegraph.storage.cache import CachedFeatureStore
 from tidegraph.storage.checkpoint import compact, put_state
@@ -151,6 +152,20 @@ class TrainerCore:
         evaluation), the same in every replica (`tidegraph.sampling.keyed`)."""
         t0 = time.perf_counter()
         roots, ts = link_roots(ev.src, ev.dst, neg_BQ, ev.t)
+        blocks, observe, t1 = self._inputs(roots, ts, observe, start, step)
+        t2 = time.perf_counter()
+        d = self.device
+        scores = self.model.score(ev.src.to(d), ev.dst.to(d), neg_BQ.to(d), ev.t.to(d), blocks)
+        t3 = time.perf_counter()
+        self._phase("sample", t0, t1, roots=len(roots), edges=self._sampled_edges)
+        self._phase("fetch", t1, t2)
+        self._phase("compute", t2, t3, "forward", events=len(ev))
+        return scores, observe
+
+    def _inputs(self, roots, ts, observe, start, step: int):
+        """The blocks sampled for `roots` at `ts` on this device, with their edge features
+        (and `observe`'s) fetched and the node state they read installed; and when sampling
+        ended (perf_counter)."""
         options = sample_options(self.config.sampler, self.model, start)
         key = step_key(self.config.seed, step)
         blocks = self.sampler.sample(roots, ts, key=key, **options)
@@ -160,14 +175,23 @@ class TrainerCore:
         observe = join_edge_features(self.edge_cache, blocks, observe)
         if self.state_source is not None:
             self.state_source.install(self.model, roots, blocks)
-        t2 = time.perf_counter()
-        d = self.device
-        scores = self.model.score(ev.src.to(d), ev.dst.to(d), neg_BQ.to(d), ev.t.to(d), blocks)
-        t3 = time.perf_counter()
-        self._phase("sample", t0, t1, roots=len(roots), edges=self._sampled_edges)
-        self._phase("fetch", t1, t2)
-        self._phase("compute", t2, t3, "forward", events=len(ev))
-        return scores, observe
+        return blocks, observe, t1
+
+    @torch.no_grad()
+    def embed_roots(self, ids: torch.Tensor, ts: torch.Tensor) -> torch.Tensor:
+        """Embeddings [N, D] (on the host) of nodes `ids` at times `ts`, as an evaluation
+        pass computes them: node state read, never changed."""
+        if self.model.training:
+            self.model.eval()
+        blocks, _, _ = self._inputs(ids, ts, None, self._start(None, ts), -1)
+        first = first_block(blocks)
+        if first is None or first.root_index is None:
+            z = self.model.embed(ids.to(self.device), ts.to(self.device), blocks)
+        else:  # each distinct (node, time) embedded once
+            z = gather_rows(self.model.embed(first.dst_ids, first.dst_ts, blocks),
+                            first.root_index)  # fmt: skip
+        self.model.discard()
+        return z.float().cpu()
 
     def train_slice(
         self,

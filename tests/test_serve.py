@@ -1,0 +1,316 @@
+"""Serving a run while it learns (`tidegraph.serving`, `tidegraph.jobs.serve`).
+
+Exactness against the learner itself: at a checkpoint, the served scores of events not
+ingested yet equal the learner's evaluation scores of them from that checkpoint's state; after
+the log receives the next increment, the scores the server computes while applying it equal
+the learner's evaluation pass over it, logit for logit (and so its recorded AP, AUC and MRR),
+and later answers equal the learner's from its state after that pass. `/topk` and `/embed`
+agree with `/score`. Then the same over real Ray Serve on loopback: a Ray-backend run served
+over HTTP, a checkpoint swapped in while a bounded loop of requests runs (none fails), and bad
+requests answered with HTTP 400 naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tidegraph.serving.engine import QueryError, RunSource, ServedState, evaluation_metrics
+from tidegraph.serving.protocol import parse_score, parse_topk
+
+sys.path.insert(0, str(Path(__file__).parent))
+from serving import (  # noqa: E402
+    evaluate_next_increment,
+    finish,
+    free_port,
+    http,
+    learner_scores,
+    make_run,
+    reference_learner,
+    run_config,
+    start_run,
+)
+
+CASES = {
+    "tgn": dict(model="tgn"),
+    "tgn-sharded-ldg": dict(model="tgn", memory="sharded", partitioner="ldg"),
+    "apan": dict(model="apan"),
+}
+
+
+def _config(case: str):
+    spec = dict(CASES[case])
+    return run_config(spec.pop("model"), **spec)
+
+
+def _dense(learner, ev):
+    """`ev` (from the log: external ids) with the run's dense ids."""
+    out = ev.select(slice(None))
+    idmap = learner.stream.idmap
+    if idmap.mapped:
+        out.src, out.dst = idmap.lookup(ev.src)[0], idmap.lookup(ev.dst)[0]
+    return out
+
+
+def _known(learner, ev):
+    """The events of `ev` between nodes the learner holds (has seen an event of)."""
+    placed = getattr(learner.group.partitioner, "map", None)
+    keep = (ev.src < learner.num_nodes) & (ev.dst < learner.num_nodes)
+    if placed is not None:
+        keep &= (placed[ev.src.clamp(max=len(placed) - 1)] >= 0) & (ev.src < len(placed))
+        keep &= (placed[ev.dst.clamp(max=len(placed) - 1)] >= 0) & (ev.dst < len(placed))
+    return ev.select(keep)
+
+
+def _assert_recorded(run: Path, k: int, scores: list) -> None:
+    """The metrics of `catch_up(evaluate=True)`'s scores are the run's record of increment
+    `k` (to float summation order: the run had 2 trainers, the state has 1; scores that are
+    nearly tied, as APAN's often are, may swap places, so the ranking metrics get 1e-3)."""
+    records = [json.loads(line) for line in (run / "metrics.jsonl").open()]
+    recorded = next(r for r in records if r.get("increment") == k)
+    for key, value in evaluation_metrics(scores).items():
+        assert value == pytest.approx(recorded[key], abs=1e-3), key
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_served_state_is_the_learners_at_its_checkpoint_and_after_the_log_grows(tmp_path, case):
+    make_run(tmp_path, "r", _config(case))
+    source = RunSource(str(tmp_path), "r")
+    tag = "increment-00001"
+    served = ServedState(source, tag)
+    learner = reference_learner(source, tag)
+    bounds = learner.bounds
+    k = learner.cursor.increment  # the next increment: not in the checkpoint
+    assert served.offset == served.checkpoint_offset == bounds[k][0]
+    assert served.pending() == [(bounds[k][0], bounds[k][1]), (bounds[k + 1][0], bounds[k + 1][1])]
+
+    # from the checkpoint's state: events not ingested yet, scored as the learner scores them
+    ev = _dense(learner, source.events.read(bounds[k][0], bounds[k][0] + 300))
+    ev = _known(learner, ev)
+    assert len(ev) > 100
+    want = learner_scores(learner, ev)
+    got = served.score(served.nodes(ev.src.tolist(), "src"), served.nodes(ev.dst.tolist(), "dst"),
+                       served.times(ev.t.tolist(), len(ev)))  # fmt: skip
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-6)
+
+    # the log's next increment applied: the learner's evaluation pass, logit for logit
+    pos, neg = evaluate_next_increment(learner)
+    scores = served.catch_up(max_files=1, evaluate=True)
+    torch.testing.assert_close(torch.cat([p for p, _ in scores]), pos, rtol=0, atol=2e-5)
+    torch.testing.assert_close(torch.cat([n for _, n in scores]), neg, rtol=0, atol=2e-5)
+    _assert_recorded(tmp_path / "r", k, scores)
+    assert served.offset == bounds[k][1]
+    assert served.last_t == float(source.events.read(bounds[k][1] - 1, bounds[k][1]).t[0])
+
+    # answers after it are the learner's from its state after that pass
+    ev = _dense(learner, source.events.read(bounds[k + 1][0], bounds[k + 1][0] + 300))
+    ev = _known(learner, ev)
+    assert len(ev) > 100 and served.num_nodes == learner.num_nodes
+    src, dst = served.nodes(ev.src.tolist(), "src"), served.nodes(ev.dst.tolist(), "dst")
+    ts = served.times(ev.t.tolist(), len(ev))
+    got = served.score(src, dst, ts)
+    torch.testing.assert_close(got, learner_scores(learner, ev), rtol=0, atol=2e-6)
+
+    # /topk ranks by the same scores; /embed gives the embeddings they come from
+    best, probs = served.topk(int(src[0]), float(ts[0]), 5)
+    assert probs.shape == (5,) and bool((probs[:-1] >= probs[1:]).all())
+    again = served.score(src[:1].expand(5), best, ts[:1].expand(5))
+    torch.testing.assert_close(probs, again, rtol=0, atol=2e-6)
+    pool = served.negatives.pool
+    everything = served.score(src[:1].expand(len(pool)), pool, ts[:1].expand(len(pool)))
+    assert float(probs[0]) == pytest.approx(float(everything.max()), abs=2e-6)
+    z = served.embed(torch.cat([src[:20], dst[:20]]), torch.cat([ts[:20], ts[:20]]))
+    model = served.trainer.model
+    with torch.no_grad():
+        via_embed = torch.sigmoid(model.predictor(z[:20], z[20:]))
+    torch.testing.assert_close(via_embed, got[:20], rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("placement", [dict(memory="sharded", partitioner="ldg"),
+                                       dict(memory="sharded")])  # fmt: skip
+def test_new_nodes_are_answered_as_new_nodes(tmp_path, placement):
+    make_run(tmp_path, "r", run_config("tgn", **placement))
+    source = RunSource(str(tmp_path), "r")
+    served = ServedState(source)
+    ev = source.events.read(0, served.offset)
+    seen = torch.zeros(served.num_nodes, dtype=torch.bool)
+    seen[ev.src], seen[ev.dst] = True, True
+    never = int((~seen).nonzero()[0])  # an id below the largest seen that no event names
+    unknown = served.nodes([10**15, -5, 10**15 + 7, never], "src")
+    assert unknown.tolist() == [served.num_nodes] * 4
+    unknown = unknown[:3]
+    dst = served.nodes([0, 0, 0], "dst")
+    t = served.times(served.last_t + 10, 3)
+    scores = served.score(unknown, dst, t)
+    assert bool(torch.isfinite(scores).all()) and float(scores.std()) == 0.0
+    assert served.embed(unknown[:1], t[:1]).shape == (1, served.trainer.model.dim)
+    placed = getattr(served.group.partitioner, "map", None)
+    assert placed is None or placed.shape[0] <= served.num_nodes  # placed for the query only
+
+
+def test_queries_that_cannot_be_answered_name_the_field(tmp_path):
+    make_run(tmp_path, "r", _config("tgn"))
+    served = ServedState(RunSource(str(tmp_path), "r"))
+    bad = [
+        (lambda: parse_score({"src": [1, 2], "dst": [3], "t": 1.0}), "dst: 1 ids for 2"),
+        (lambda: parse_score({"src": [1], "dst": [3]}), "t: missing"),
+        (lambda: parse_score({"src": [1.5], "dst": [3], "t": 1}), "src[0]: a node id"),
+        (lambda: parse_score({"src": [1], "dst": [3], "t": [1, 2]}), "t: 2 times for 1"),
+        (lambda: parse_score({"src": [1], "dst": [3], "t": "now"}), "t: a number"),
+        (lambda: parse_score([1, 2]), "body: a JSON object"),
+        (lambda: parse_topk({"src": 1, "t": 1.0, "k": 0}), "k: a positive integer"),
+        (lambda: parse_topk({"src": [1], "t": 1.0, "k": 1}), "src: one node id"),
+        (lambda: parse_topk({"src": 1, "t": 1.0, "k": 3, "candidates": [4, 4]}), "k: 3 is more"),
+        (lambda: served.nodes(["a"], "src"), "src: this run's node ids are integers"),
+        (lambda: served.times(served.last_t - 1, 1), "t: "),
+        (lambda: served.times(float("nan"), 1), "t: times must be finite"),
+        (lambda: served.topk(0, served.last_t, 10**6), "k: must be in [1, "),
+    ]
+    for call, message in bad:
+        with pytest.raises(QueryError) as err:
+            call()
+        assert message in str(err.value)
+    with pytest.raises(ValueError, match="no run 'nope' under"):
+        RunSource(str(tmp_path), "nope")
+
+
+# ---- real Ray Serve on loopback -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def serve_http(ray_session):
+    """Ray Serve's HTTP proxy on a free loopback port of the shared Ray; shut down after."""
+    from ray import serve
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+
+
+def _deploy(run_name: str, storage: Path, **options):
+    from ray import serve
+
+    from tidegraph.serving.app import server_app
+
+    app = server_app(run_name, str(storage), num_cpus=0.5, **options)
+    serve.run(app, name="tidegraph", route_prefix="/")
+
+
+def test_a_ray_run_served_over_http_answers_as_its_learner(serve_http, tmp_path):
+    """The default backend's checkpoint (written by its actors) served by Ray Serve: the
+    state's evaluation of the next increment gives the run's recorded metrics, and HTTP
+    answers equal the in-process state's."""
+    from ray import serve
+
+    make_run(tmp_path, "ray-run", run_config("tgn", backend="ray"))
+    source = RunSource(str(tmp_path), "ray-run")
+    served = ServedState(source, "increment-00001")
+    k = 1
+    _assert_recorded(tmp_path / "ray-run", k, served.catch_up(1, evaluate=True))
+    served.catch_up()  # up to the log's end, as a replica serves it
+
+    _deploy("ray-run", tmp_path, poll_s=0.2)
+    try:
+        status, answer = http(f"{serve_http}/status")
+        assert status == 200
+        assert answer["checkpoint"] == source.latest() == served.tag
+        assert answer["applied_offset"] == answer["log_offset"] == served.offset
+        assert answer["lag_events"] == 0
+        ev = source.events.read(served.offset - 300, served.offset)
+        t = served.last_t + 1.0
+        body = {"src": ev.src.tolist(), "dst": ev.dst.tolist(), "t": t}
+        status, answer = http(f"{serve_http}/score", body)
+        assert status == 200, answer
+        want = served.score(served.nodes(body["src"], "src"), served.nodes(body["dst"], "dst"),
+                            served.times(t, len(ev)))  # fmt: skip
+        assert answer["checkpoint"] == served.tag
+        torch.testing.assert_close(torch.tensor(answer["scores"]), want, rtol=0, atol=1e-6)
+        src = int(ev.src[0])
+        status, answer = http(f"{serve_http}/topk", {"src": src, "t": t, "k": 10})
+        assert status == 200, answer
+        best, probs = served.topk(int(served.nodes([src], "src")[0]), t, 10)
+        assert answer["dst"] == served.external(best)
+        torch.testing.assert_close(torch.tensor(answer["scores"]), probs, rtol=0, atol=1e-6)
+        status, answer = http(f"{serve_http}/embed", {"nodes": [src, 10**15], "t": t})
+        assert status == 200, answer
+        z = served.embed(served.nodes([src, 10**15], "nodes"), served.times(t, 2))
+        torch.testing.assert_close(torch.tensor(answer["embeddings"]), z, rtol=0, atol=1e-6)
+        status, answer = http(f"{serve_http}/topk", {"src": src, "t": t, "k": 2,
+                                                     "candidates": [10**15, int(ev.dst[0])]})  # fmt: skip
+        assert status == 200 and sorted(answer["dst"]) == sorted([10**15, int(ev.dst[0])])
+
+        # bad requests: 400 naming the field
+        for body, message in [
+            (b"{not json", "body: not JSON"),
+            ({"src": [1, 2], "dst": [1], "t": t}, "dst: 1 ids for 2"),
+            ({"src": ["x"], "dst": [1], "t": t}, "src: this run's node ids are integers"),
+            ({"src": [1], "dst": [1], "t": served.last_t - 100}, "is before the served state"),
+            ({"src": [1], "dst": [1]}, "t: missing"),
+        ]:
+            status, answer = http(f"{serve_http}/score", body)
+            assert status == 400 and message in answer["error"], (body, answer)
+        for body, message in [
+            ({"src": src, "t": t, "k": 0}, "k: a positive integer"),
+            ({"src": src, "t": t, "k": 10**7}, "k: must be in [1, "),
+            ({"src": "x", "t": t, "k": 1}, "src: this run's node ids are integers"),
+        ]:
+            status, answer = http(f"{serve_http}/topk", body)
+            assert status == 400 and message in answer["error"], (body, answer)
+        status, answer = http(f"{serve_http}/embed", {"nodes": [], "t": t})
+        assert status == 400 and "nodes: empty" in answer["error"]
+    finally:
+        serve.delete("tidegraph")
+
+
+def test_a_newer_checkpoint_is_swapped_in_under_a_request_loop(serve_http, tmp_path):
+    """A local run learns in this process while Ray Serve serves it: a bounded loop of
+    requests sees every answer succeed while the served checkpoint advances to the run's
+    last one and the log is applied to its end."""
+    from ray import serve
+
+    orchestrator = start_run(tmp_path, "live", run_config("tgn"))
+    orchestrator.step()  # phase 1: its checkpoint
+    source = RunSource(str(tmp_path), "live")
+    assert source.latest() == "phase1"
+    _deploy("live", tmp_path, poll_s=0.1)
+    answers: list[tuple[int, str | None]] = []
+    stop = threading.Event()
+
+    def loop() -> None:
+        body = {"src": [1, 2, 3], "dst": [8000, 8001, 8002], "t": 1e12}
+        for _ in range(20_000):  # bounded
+            if stop.is_set():
+                return
+            status, answer = http(f"{serve_http}/score", body)
+            answers.append((status, answer.get("checkpoint") or answer.get("error")))
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    try:
+        finish(orchestrator)
+        final = source.latest()
+        for _ in range(600):  # bounded: until the replica serves the final checkpoint
+            status, answer = http(f"{serve_http}/status")
+            if answer["checkpoint"] == final and answer["lag_events"] == 0:
+                break
+            time.sleep(0.1)
+        else:
+            raise AssertionError(f"the replica never served {final}: {answer}")
+        time.sleep(0.5)  # some answers from the final state too
+    finally:
+        stop.set()
+        thread.join(timeout=60)
+        serve.delete("tidegraph")
+    assert answers and all(status == 200 for status, _ in answers), [
+        a for a in answers if a[0] != 200
+    ][:3]
+    seen = [tag for _, tag in answers]
+    assert seen[0] == "phase1" and seen[-1] == final and final != "phase1"
+    assert answer["swaps"] >= 1 and answer["refresh_error"] is None

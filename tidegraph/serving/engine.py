@@ -1,0 +1,317 @@
+"""A run's model and graph state for serving: a checkpoint, advanced read-only by the event log.
+
+`RunSource(storage, run_name)` reads a run directory without writing to it: its checkpoints
+and its durable event log. `ServedState(source)` loads the newest checkpoint (model, node
+state, graph, id map) into a one-process group of the run's P partitions and one replica, and
+`catch_up()` applies the events the log received since, file by file, as the learner's
+evaluation pass does: each file is ingested into the graph whole, then recorded in node state
+in batches of `train.batch_size` (every event of a batch reads the state before it), so that
+after catching up the served state is the learner's state after evaluating those events, before
+it retrains on them. Nothing trains here.
+
+Queries never change state:
+- `score(src, dst, t)`: link probabilities, as the learner's evaluation scores events, from
+  the state as of the last event applied and the neighbours strictly before `t`;
+- `topk(src, t, k, candidates)`: the k most likely destinations among `candidates` (default:
+  every destination seen so far);
+- `embed(nodes, t)`: the nodes' embeddings at `t`.
+Ids are the stream's external ids (the run's id map); an id the map does not hold is a new
+node: no neighbours and fresh node state, as the learner would see it at its first event.
+Times before the last event applied are refused (their answers would read later events).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from contextlib import contextmanager
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+import torch
+import yaml
+
+from tidegraph.storage.checkpoint import CheckpointStore
+from tidegraph.storage.eventlog import EventLog, open_fs
+from tidegraph.storage.events import EventBatch
+from tidegraph.storage.idmap import IdMap
+from tidegraph.training.config import RunConfig
+from tidegraph.training.group import LocalGroup
+from tidegraph.training.metrics import link_metrics
+from tidegraph.training.sampling import NegativeSampler
+
+__all__ = ["QueryError", "RunSource", "ServedState"]
+
+log = logging.getLogger(__name__)
+
+
+class QueryError(ValueError):
+    """A request that cannot be answered as asked; the message names the field."""
+
+
+class RunSource:
+    """A run directory under `storage` (a path or a `pyarrow.fs` URI), read only."""
+
+    def __init__(self, storage: str, run_name: str) -> None:
+        self.fs, root = open_fs(storage)
+        self.storage, self.run_name = storage, run_name
+        self.path = f"{root.rstrip('/')}/{run_name}"
+        info = self.fs.get_file_info(f"{self.path}/config.yaml")
+        if info.type == pafs.FileType.NotFound:
+            raise ValueError(f"serve: no run {run_name!r} under {storage} "
+                             f"({self.path}/config.yaml does not exist)")  # fmt: skip
+        self.checkpoints = CheckpointStore(self.fs, f"{self.path}/checkpoints")
+        self.events = EventLog(f"{storage.rstrip('/')}/{run_name}")
+
+    def config(self) -> dict:
+        with self.fs.open_input_stream(f"{self.path}/config.yaml") as f:
+            return yaml.safe_load(f.read())
+
+    def latest(self) -> str | None:
+        return self.checkpoints.latest()
+
+    def edge_dim(self) -> int:
+        """Edge-feature columns of the log (f0..f{F-1}); 0 without features or events."""
+        files = self.events.files()
+        if not files:
+            return 0
+        with self.fs.open_input_file(files[0][2]) as f:
+            names = pq.read_schema(f).names
+        return sum(1 for n in names if n[:1] == "f" and n[1:].isdigit())
+
+
+class ServedState:
+    """Checkpoint `tag` (default: the newest) of `source`, on `device`; see the module."""
+
+    def __init__(self, source: RunSource, tag: str | None = None, device: str = "cpu") -> None:
+        t0 = time.perf_counter()
+        self.source = source
+        self.tag = tag or source.latest()
+        if self.tag is None:
+            raise ValueError(f"serve: run {source.run_name!r} has no checkpoint yet "
+                             f"({source.path}/checkpoints)")  # fmt: skip
+        state = source.checkpoints.load(self.tag)
+        self.step = source.checkpoints.meta(self.tag).get("step")
+        config = RunConfig.from_dict(state.get("config") or source.config())
+        group_state = state["learner"]["group"]
+        c = config.cluster  # one process: the run's partitions, one replica
+        c.backend, c.trainers, c.min_trainers, c.max_trainers = "local", 1, 1, 1
+        c.memory = group_state["memory_placement"]
+        c.faults, c.spare_trainers = [], 0
+        config.device, config.timeline, config.progress = device, 0, False
+        self.config = config
+        orch = state["learner"]["orchestrator"]
+        self.idmap = IdMap.from_state(orch["idmap"])
+        self.num_nodes = int(orch["num_nodes"])
+        self.negatives = NegativeSampler(0)
+        self.negatives.load_state_dict(orch["negatives"])  # the learner's draws, for `evaluate`
+        self.group = LocalGroup(config, 0, source.edge_dim(), expected_nodes=self.num_nodes)
+        self.group._load_common_state(group_state)
+        for shard, s in zip(self.group.shards, group_state["shards"], strict=True):
+            shard.load_state_dict(s)
+        self.trainer = self.group.trainers[0]
+        self.trainer.load_state_dict(group_state["trainers"][0])
+        self.checkpoint_offset = self.offset = int(state["log_offset"])
+        self.batch = config.train.batch_size
+        self.last_t = self._time_before(self.offset)
+        self.loaded_s = time.perf_counter() - t0
+        self.lock = threading.RLock()  # queries and catching up take turns
+        self._grow(self.num_nodes)
+
+    # ---- the log -------------------------------------------------------------------------
+
+    def _time_before(self, offset: int) -> float:
+        """The time of event `offset - 1` (-inf before any)."""
+        if offset == 0:
+            return float("-inf")
+        return float(self.source.events.read(offset - 1, offset).t[0])
+
+    def pending(self) -> list[tuple[int, int]]:
+        """The log's files of events not applied yet, [(start, end)], without a gap."""
+        out, at = [], self.offset
+        for lo, hi, _ in self.source.events.files():
+            if hi <= at:
+                continue
+            if lo > at:
+                break
+            out.append((at, hi))
+            at = hi
+        return out
+
+    def catch_up(self, max_files: int | None = None, evaluate: bool = False) -> list:
+        """Apply the log's events since the last applied (at most `max_files` files); returns,
+        per batch applied, (pos logits, negative logits): the learner's evaluation scores of
+        those events, with its negatives (`train.eval_negatives` drawn as the learner draws
+        them) when `evaluate`, else none. The lock is released between batches."""
+        scores = []
+        for lo, hi in self.pending()[:max_files]:
+            ev = self.source.events.read(lo, hi)
+            with self.lock:
+                self._ingest(ev, lo, hi)
+            q = self.config.train.eval_negatives if evaluate else 0
+            for b in range(0, len(ev), self.batch):
+                part = ev.select(slice(b, b + self.batch))
+                neg = self.negatives.sample(len(part), q) if q else _none(len(part))
+                with self.lock:
+                    scores.append(self.group.eval_step(part, neg, observe=True))
+                    self.offset = lo + b + len(part)
+                    self.last_t = float(part.t[-1])
+        return scores
+
+    def _ingest(self, ev: EventBatch, lo: int, hi: int) -> None:
+        """Log events [lo, hi) into the graph (their external ids mapped as the learner maps a
+        live increment's: new ones in order of first appearance)."""
+        if self.idmap.kind == "int" and self.idmap.mapped:
+            ev.src, ev.dst = self.idmap.map_events(ev.src, ev.dst)
+        if len(ev):
+            top = int(torch.maximum(ev.src.max(), ev.dst.max())) + 1
+            self.num_nodes = max(self.num_nodes, top)
+        self.group.ingest(ev, self.num_nodes, span=(lo, hi))
+        self.negatives.add(ev.dst)
+        self._grow(self.num_nodes)
+
+    def _grow(self, num_nodes: int) -> None:
+        """Room for node ids below `num_nodes` + 1: the one past them answers for new nodes
+        (with node state on the shards, an empty row at its owner: partition 0 while a
+        partitioner that places nodes as they arrive has not placed it)."""
+        self.trainer.grow(num_nodes + 1)
+        if self.group.state_shards is None:
+            return
+        new = torch.tensor([num_nodes])
+        part = self.group.partitioner
+        placed = getattr(part, "map", None)
+        unplaced = placed is not None and (num_nodes >= placed.shape[0] or placed[num_nodes] < 0)
+        owner = 0 if unplaced else int(part.owner(new)[0])
+        self.group.state_shards[owner].node_state.add_nodes(new)
+
+    # ---- queries ---------------------------------------------------------------------------
+
+    def nodes(self, ids, field: str) -> torch.Tensor:
+        """Dense ids of external ids (a list of ints, or of strings for a run of string ids);
+        new nodes (ids the map does not hold, or that no event applied so far names) get the
+        id one past the served nodes."""
+        if self.idmap.kind == "str":
+            if not all(isinstance(x, str) for x in ids):
+                raise QueryError(f"{field}: this run's node ids are strings")
+            dense, found = self.idmap.lookup_text(pa.array(ids, pa.large_string()))
+        else:
+            if not all(isinstance(x, int) and not isinstance(x, bool) for x in ids):
+                raise QueryError(f"{field}: this run's node ids are integers")
+            try:
+                array = np.asarray(ids, dtype=np.int64)
+            except OverflowError:
+                raise QueryError(f"{field}: an id is out of the int64 range") from None
+            dense, found = self.idmap.lookup(array)
+        found &= dense < self.num_nodes
+        placed = getattr(self.group.partitioner, "map", None)  # LDG: nodes placed so far
+        if placed is not None:
+            inside = dense < placed.shape[0]
+            found &= inside & (placed[torch.where(inside, dense, 0)] >= 0)
+        if self.group.state_shards is not None and bool(found.any()):  # a state row each
+            owner = torch.full_like(dense, -1)
+            owner[found] = self.group.partitioner.owner(dense[found])
+            for p, shard in enumerate(self.group.state_shards):
+                mine = owner == p
+                found[mine] = shard.node_state.index.contains(dense[mine])
+        return torch.where(found, dense, torch.full_like(dense, self.num_nodes))
+
+    def times(self, t, n: int, field: str = "t") -> torch.Tensor:
+        """Query times: one per row (or one for all), none before the last event applied."""
+        ts = torch.as_tensor(t, dtype=torch.float64).reshape(-1)
+        if ts.numel() == 1 and n != 1:
+            ts = ts.expand(n)
+        if ts.numel() != n:
+            raise QueryError(f"{field}: {ts.numel()} times for {n} rows")
+        if n and not bool(torch.isfinite(ts).all()):
+            raise QueryError(f"{field}: times must be finite numbers")
+        if n and float(ts.min()) < self.last_t:
+            raise QueryError(f"{field}: {float(ts.min())!r} is before the served state (its last "
+                             f"event is at {self.last_t!r}); ask about now or later")  # fmt: skip
+        return ts.contiguous()
+
+    def score(self, src: torch.Tensor, dst: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """Link probabilities of dense (src, dst) at times `t`."""
+        ev = _queries(src, dst, t)
+        with self.lock, self._new_node_placed():
+            pos, _ = self.group.eval_step(ev, _none(len(ev)), observe=False)
+        return torch.sigmoid(pos)
+
+    def topk(
+        self, src: int, t: float, k: int, candidates: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(dense ids, probabilities) of the `k` likeliest destinations of dense `src` at `t`
+        among dense `candidates` (None: every destination seen), best first."""
+        with self.lock, self._new_node_placed():
+            cand = self.negatives.pool if candidates is None else candidates
+            if not 1 <= k <= cand.numel():
+                raise QueryError(f"k: must be in [1, {cand.numel()}] (the candidates), got {k}")
+            ev = _queries(torch.tensor([src]), cand[:1], torch.tensor([t], dtype=torch.float64))
+            _, logits = self.group.eval_step(ev, cand.view(1, -1), observe=False)
+        best = torch.topk(logits[0], k)
+        return cand[best.indices], torch.sigmoid(best.values)
+
+    def embed(self, nodes: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """Embeddings [N, D] of dense `nodes` at times `t`."""
+        with self.lock, self._new_node_placed():
+            return self.trainer.embed_roots(nodes, t)
+
+    @contextmanager
+    def _new_node_placed(self):
+        """A partitioner that places nodes as they arrive (LDG) places the id that answers
+        for new nodes for the query's length (then forgets it: the learner places a node at
+        its first event)."""
+        part = self.group.partitioner
+        placed = getattr(part, "map", None)
+        if placed is None or placed.shape[0] > self.num_nodes:
+            yield
+            return
+        grown = torch.cat([placed, torch.full((self.num_nodes + 1 - placed.shape[0],), -1)])
+        grown[self.num_nodes] = 0
+        part.map = grown
+        try:
+            yield
+        finally:
+            part.map = placed
+
+    def external(self, dense: torch.Tensor) -> list:
+        """External ids of dense ones."""
+        out = self.idmap.external(dense)
+        return out if isinstance(out, list) else out.tolist()
+
+    def status(self) -> dict:
+        """What is served: the checkpoint, the last event applied, the lag behind the log."""
+        end = self.source.events.offset
+        return {
+            "run": self.source.run_name,
+            "checkpoint": self.tag,
+            "checkpoint_step": self.step,
+            "checkpoint_offset": self.checkpoint_offset,
+            "applied_offset": self.offset,
+            "last_event_time": None if self.offset == 0 else self.last_t,
+            "log_offset": end,
+            "lag_events": max(end - self.offset, 0),
+            "nodes": self.num_nodes,
+            "candidates": int(self.negatives.pool.numel()),
+            "model": self.config.model.name,
+            "embedding_dim": int(self.trainer.model.dim),
+        }
+
+
+def evaluation_metrics(scores: list) -> dict:
+    """AP, AUC and MRR of `catch_up(evaluate=True)`'s scores (the learner's link metrics)."""
+    pos = torch.cat([p for p, _ in scores])
+    neg = torch.cat([n for _, n in scores])
+    return link_metrics(pos, neg)
+
+
+def _none(n: int) -> torch.Tensor:
+    return torch.empty(n, 0, dtype=torch.int64)
+
+
+def _queries(src: torch.Tensor, dst: torch.Tensor, t: torch.Tensor) -> EventBatch:
+    """Query pairs as events that are not in the graph (eid -1: no recorded features)."""
+    eid = torch.full_like(src, -1)
+    return EventBatch(src.contiguous(), dst.contiguous(), t.contiguous(), eid)
