@@ -211,10 +211,10 @@ def test_a_ray_run_served_over_http_answers_as_its_learner(serve_http, tmp_path)
 
     make_run(tmp_path, "ray-run", run_config("tgn", backend="ray"))
     source = RunSource(str(tmp_path), "ray-run")
-    served = ServedState(source, "increment-00001")
-    k = 1
-    _assert_recorded(tmp_path / "ray-run", k, served.catch_up(1, evaluate=True))
-    served.catch_up()  # up to the log's end, as a replica serves it
+    early = ServedState(source, "increment-00001")
+    _assert_recorded(tmp_path / "ray-run", 1, early.catch_up(1, evaluate=True))
+    served = ServedState(source)  # what a replica serves: the newest, up to the log's end
+    served.catch_up()
 
     _deploy("ray-run", tmp_path, poll_s=0.2)
     try:
@@ -242,9 +242,9 @@ def test_a_ray_run_served_over_http_answers_as_its_learner(serve_http, tmp_path)
         assert status == 200, answer
         z = served.embed(served.nodes([src, 10**15], "nodes"), served.times(t, 2))
         torch.testing.assert_close(torch.tensor(answer["embeddings"]), z, rtol=0, atol=1e-6)
-        status, answer = http(f"{serve_http}/topk", {"src": src, "t": t, "k": 2,
-                                                     "candidates": [10**15, int(ev.dst[0])]})  # fmt: skip
-        assert status == 200 and sorted(answer["dst"]) == sorted([10**15, int(ev.dst[0])])
+        two = [10**15, int(ev.dst[0])]  # a new node and a known one
+        status, answer = http(f"{serve_http}/topk", {"src": src, "t": t, "k": 2, "candidates": two})
+        assert status == 200 and sorted(answer["dst"]) == sorted(two)
 
         # bad requests: 400 naming the field
         for body, message in [

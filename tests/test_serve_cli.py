@@ -1,0 +1,101 @@
+"""`python -m tidegraph.jobs.serve` as a user runs it: a missing run or one without a checkpoint
+ends with one line and exit code 2 before Ray starts; a run is served on loopback by a local Ray
+of the job's own (started and stopped by it), answering /status and /score, and Ctrl-C stops
+it with exit code 0 and leaves no Ray process behind."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from serving import free_port, http, make_run, run_config  # noqa: E402
+from test_job_submit import cluster_pids  # noqa: E402
+
+SERVE = [sys.executable, "-m", "tidegraph.jobs.serve"]
+
+
+def _env(ray_tmp: str | None = None) -> dict:
+    env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
+    env.pop("RAY_ADDRESS", None)
+    if ray_tmp is not None:  # the job's local Ray under a directory of its own
+        env["RAY_TMPDIR"] = ray_tmp
+    return env
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--run-name", "nope"], "error: serve: no run 'nope' under"),
+        (["--run-name", "empty"], "error: serve: run 'empty' has no checkpoint yet"),
+        (["--run-name", "empty", "--replicas", "0"], "error: --replicas: N >= 1 or MIN:MAX"),
+        (["--run-name", "empty", "--resources", "[1]"], "error: --resources: a JSON object"),
+        (["--run-name", "empty", "--port", "70000"], "error: --port: a port number"),
+    ],
+)
+def test_bad_starts_end_with_one_line_and_exit_code_2(tmp_path, args, message):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "config.yaml").write_text("seed: 1\n")
+    done = subprocess.run([*SERVE, "--storage", str(tmp_path), *args], capture_output=True,
+                          text=True, timeout=120, env=_env())  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith(message) and "Traceback" not in done.stderr, done.stderr
+
+
+def test_the_job_serves_a_run_on_loopback_until_interrupted(tmp_path):
+    make_run(tmp_path, "r", run_config("tgn"))
+    port = free_port()
+    log = tmp_path / "serve.log"
+    ray_tmp = tempfile.mkdtemp(prefix="tgserve", dir="/tmp")  # short: Ray's socket paths
+    pids: list[int] = []
+    with log.open("w") as out:
+        job = subprocess.Popen([*SERVE, "--run-name", "r", "--storage", str(tmp_path), "--port",
+                                str(port), "--num-cpus", "0.5"], stdout=out,
+                               stderr=subprocess.STDOUT, env=_env(ray_tmp))  # fmt: skip
+    try:
+        for _ in range(1200):  # bounded: until it says it serves
+            if "serving run r on http://127.0.0.1:" in log.read_text() or job.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert job.poll() is None, log.read_text()[-3000:]
+        pids = cluster_pids(ray_tmp)
+        assert pids, "no Ray process under the job's RAY_TMPDIR"
+        status, answer = http(f"http://127.0.0.1:{port}/status")
+        assert status == 200 and answer["run"] == "r" and answer["lag_events"] == 0
+        body = {"src": [1, 2], "dst": [8300, 8301], "t": answer["last_event_time"] + 1}
+        status, answer = http(f"http://127.0.0.1:{port}/score", body)
+        assert status == 200 and len(answer["scores"]) == 2
+        assert all(0.0 <= p <= 1.0 for p in answer["scores"])
+        job.send_signal(signal.SIGINT)
+        assert job.wait(timeout=120) == 0, log.read_text()[-3000:]
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait(timeout=60)
+        left = cluster_pids(ray_tmp)
+        for pid in left if job.returncode != 0 else ():  # a failed job's Ray: ours, by id
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    for _ in range(300):  # bounded: Ray's processes leave after the job
+        if not any(_alive(p) for p in pids):
+            break
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in pids), "Ray processes of the job are left"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
