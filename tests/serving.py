@@ -32,6 +32,26 @@ def run_config(model: str = "tgn", **cluster) -> RunConfig:
     return RunConfig.from_dict(raw)
 
 
+def features_csv(path: Path, n: int = 2000) -> Path:
+    """The first `n` Wikipedia events as a CSV of string ids ("u12", "i8300") with two edge
+    features a, b (a function of the event's position): a run with `data.string_ids` and
+    `data.features`."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.csv as pacsv
+
+    from tidegraph.training.data import load_stream
+
+    ev = load_stream("wikipedia", n).events
+    pos = np.arange(len(ev), dtype=np.float64)
+    table = pa.table({
+        "src": [f"u{x}" for x in ev.src.tolist()], "dst": [f"i{x}" for x in ev.dst.tolist()],
+        "time": ev.t.numpy(), "a": np.sin(pos), "b": np.cos(0.5 * pos),
+    })  # fmt: skip
+    pacsv.write_csv(table, path)
+    return path
+
+
 def start_run(storage: Path, name: str, config: RunConfig) -> Orchestrator:
     """A run of `config` in `storage/name`, its group placed (step it on)."""
     run_dir = RunDir(str(storage), name)

@@ -27,6 +27,7 @@ from tidegraph.serving.protocol import parse_score, parse_topk
 sys.path.insert(0, str(Path(__file__).parent))
 from serving import (  # noqa: E402
     evaluate_next_increment,
+    features_csv,
     finish,
     free_port,
     http,
@@ -41,21 +42,34 @@ CASES = {
     "tgn": dict(model="tgn"),
     "tgn-sharded-ldg": dict(model="tgn", memory="sharded", partitioner="ldg"),
     "apan": dict(model="apan"),
+    "tgn-features-string-ids": dict(model="tgn", data="features"),
 }
 
 
-def _config(case: str):
+def _config(case: str, tmp_path: Path):
     spec = dict(CASES[case])
-    return run_config(spec.pop("model"), **spec)
+    config = run_config(spec.pop("model"), **{k: v for k, v in spec.items() if k != "data"})
+    if spec.get("data") == "features":
+        config.data.dataset = str(features_csv(tmp_path / "events.csv"))
+        config.data.features, config.data.string_ids = "a,b", True
+    return config
 
 
 def _dense(learner, ev):
-    """`ev` (from the log: external ids) with the run's dense ids."""
+    """`ev` (from the log: external int ids; a run of string ids logs dense ones) with the
+    run's dense ids."""
     out = ev.select(slice(None))
     idmap = learner.stream.idmap
-    if idmap.mapped:
+    if idmap.kind == "int" and idmap.mapped:
         out.src, out.dst = idmap.lookup(ev.src)[0], idmap.lookup(ev.dst)[0]
     return out
+
+
+def _ask(served, ev):
+    """(src, dst, t) of events `ev` (dense ids) as a client names them, mapped back by the
+    served state."""
+    src = served.nodes(served.external(ev.src), "src")
+    return src, served.nodes(served.external(ev.dst), "dst"), served.times(ev.t.tolist(), len(ev))
 
 
 def _known(learner, ev):
@@ -80,7 +94,7 @@ def _assert_recorded(run: Path, k: int, scores: list) -> None:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_served_state_is_the_learners_at_its_checkpoint_and_after_the_log_grows(tmp_path, case):
-    make_run(tmp_path, "r", _config(case))
+    make_run(tmp_path, "r", _config(case, tmp_path))
     source = RunSource(str(tmp_path), "r")
     tag = "increment-00001"
     served = ServedState(source, tag)
@@ -95,8 +109,7 @@ def test_served_state_is_the_learners_at_its_checkpoint_and_after_the_log_grows(
     ev = _known(learner, ev)
     assert len(ev) > 100
     want = learner_scores(learner, ev)
-    got = served.score(served.nodes(ev.src.tolist(), "src"), served.nodes(ev.dst.tolist(), "dst"),
-                       served.times(ev.t.tolist(), len(ev)))  # fmt: skip
+    got = served.score(*_ask(served, ev))
     torch.testing.assert_close(got, want, rtol=0, atol=2e-6)
 
     # the log's next increment applied: the learner's evaluation pass, logit for logit
@@ -112,8 +125,12 @@ def test_served_state_is_the_learners_at_its_checkpoint_and_after_the_log_grows(
     ev = _dense(learner, source.events.read(bounds[k + 1][0], bounds[k + 1][0] + 300))
     ev = _known(learner, ev)
     assert len(ev) > 100 and served.num_nodes == learner.num_nodes
-    src, dst = served.nodes(ev.src.tolist(), "src"), served.nodes(ev.dst.tolist(), "dst")
-    ts = served.times(ev.t.tolist(), len(ev))
+    src, dst, ts = _ask(served, ev)
+    assert torch.equal(src, ev.src) and torch.equal(dst, ev.dst)
+    if served.idmap.kind == "str":  # ids are the file's strings
+        assert served.external(src[:1])[0].startswith("u")
+        with pytest.raises(QueryError, match="src: this run's node ids are strings"):
+            served.nodes([1], "src")
     got = served.score(src, dst, ts)
     torch.testing.assert_close(got, learner_scores(learner, ev), rtol=0, atol=2e-6)
 
@@ -314,3 +331,32 @@ def test_a_newer_checkpoint_is_swapped_in_under_a_request_loop(serve_http, tmp_p
     seen = [tag for _, tag in answers]
     assert seen[0] == "phase1" and seen[-1] == final and final != "phase1"
     assert answer["swaps"] >= 1 and answer["refresh_error"] is None
+
+
+def test_the_serve_config_file_is_ray_serves_and_builds_the_app(serve_http, tmp_path):
+    """deploy/serve.yaml passes Ray Serve's own schema, and its application builder serves a
+    run with the file's arguments (a missing run, or a wrong argument, refused by name)."""
+    import yaml
+    from ray import serve
+    from ray.serve.schema import ServeDeploySchema
+
+    from tidegraph.serving.app import build
+
+    path = Path(__file__).parents[1] / "deploy" / "serve.yaml"
+    config = yaml.safe_load(path.read_text())
+    ServeDeploySchema.model_validate(config)
+    (app,) = config["applications"]
+    assert app["import_path"] == "tidegraph.serving.app:build"
+    assert [d["name"] for d in app["deployments"]] == ["tidegraph"]
+    make_run(tmp_path, "r", run_config("tgn"))
+    args = {**app["args"], "run_name": "r", "storage": str(tmp_path)}
+    with pytest.raises(ValueError, match="no run 'elsewhere'"):
+        build({**args, "run_name": "elsewhere"})
+    with pytest.raises(ValueError, match="got \\['colour', "):
+        build({**args, "colour": "blue"})
+    serve.run(build(args), name="tidegraph", route_prefix="/")
+    try:
+        status, answer = http(f"{serve_http}/status")
+        assert status == 200 and answer["run"] == "r" and answer["lag_events"] == 0
+    finally:
+        serve.delete("tidegraph")

@@ -24,7 +24,7 @@ import sys
 import threading
 import traceback
 
-from tidegraph.serving.engine import RunSource
+from tidegraph.serving.engine import checked_run
 
 __all__ = ["main"]
 
@@ -123,10 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         options = _options(args)
-        source = RunSource(options["storage"], options["run_name"])  # a missing run: here
-        if source.latest() is None:
-            raise ValueError(f"serve: run {args.run_name!r} has no checkpoint yet "
-                             f"({source.path}/checkpoints)")  # fmt: skip
+        checked_run(options["storage"], options["run_name"])  # a missing run: here, at once
     except ValueError as err:
         if args.debug:
             traceback.print_exception(err, file=sys.stderr)

@@ -30,7 +30,7 @@ from fastapi.responses import JSONResponse
 from ray import serve
 from starlette.concurrency import run_in_threadpool
 
-from tidegraph.serving.engine import QueryError, RunSource, ServedState
+from tidegraph.serving.engine import QueryError, RunSource, ServedState, checked_run
 from tidegraph.serving.protocol import parse_embed, parse_score, parse_topk
 
 __all__ = ["TidegraphServer", "build", "server_app"]
@@ -171,12 +171,7 @@ def server_app(run_name: str, storage: str = "runs", poll_s: float = 1.0, device
     autoscaling config ({"min_replicas", "max_replicas", ...}); each replica asks Ray for
     `num_cpus`, `num_gpus` and custom `resources` (reserve serving nodes with them). A missing
     run, or one without a checkpoint, is a ValueError here, before anything starts."""
-    source = RunSource(storage, run_name)
-    if source.latest() is None:
-        raise ValueError(
-            f"serve: run {run_name!r} has no checkpoint yet ({source.path}"
-            "/checkpoints); serve it once its first checkpoint is written"
-        )
+    storage = checked_run(storage, run_name)
     actor = {"num_cpus": num_cpus, "num_gpus": num_gpus, "resources": dict(resources or {})}
     scaling = (
         {"autoscaling_config": replicas} if isinstance(replicas, dict) else
@@ -195,10 +190,8 @@ def build(args: dict):
     if unknown or "run_name" not in args:
         raise ValueError(f"tidegraph serve app: arguments {sorted(known)} (run_name required), "
                          f"got {sorted(args)}")  # fmt: skip
-    source = RunSource(args.get("storage", "runs"), args["run_name"])
-    if source.latest() is None:
-        raise ValueError(f"serve: run {args['run_name']!r} has no checkpoint yet")
+    storage = checked_run(args.get("storage", "runs"), args["run_name"])
     return TidegraphServer.bind(
-        args["run_name"], args.get("storage", "runs"), float(args.get("poll_s", 1.0)),
+        args["run_name"], storage, float(args.get("poll_s", 1.0)),
         args.get("device", "cpu"), int(args.get("threads", 1)),
     )  # fmt: skip

@@ -23,6 +23,7 @@ Times before the last event applied are refused (their answers would read later 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from contextlib import contextmanager
@@ -43,7 +44,7 @@ from tidegraph.training.group import LocalGroup
 from tidegraph.training.metrics import link_metrics
 from tidegraph.training.sampling import NegativeSampler
 
-__all__ = ["QueryError", "RunSource", "ServedState"]
+__all__ = ["QueryError", "RunSource", "ServedState", "checked_run"]
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +82,17 @@ class RunSource:
         with self.fs.open_input_file(files[0][2]) as f:
             names = pq.read_schema(f).names
         return sum(1 for n in names if n[:1] == "f" and n[1:].isdigit())
+
+
+def checked_run(storage: str, run_name: str) -> str:
+    """`storage` (a local path made absolute: replicas may run in another directory) once it
+    holds run `run_name` with a checkpoint; else a ValueError saying what is missing."""
+    storage = storage if "://" in storage else os.path.abspath(storage)
+    source = RunSource(storage, run_name)
+    if source.latest() is None:
+        raise ValueError(f"serve: run {run_name!r} has no checkpoint yet ({source.path}/"
+                         "checkpoints); serve it once its first checkpoint is written")  # fmt: skip
+    return storage
 
 
 class ServedState:
