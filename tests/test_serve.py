@@ -172,7 +172,7 @@ def test_new_nodes_are_answered_as_new_nodes(tmp_path, placement):
 
 
 def test_queries_that_cannot_be_answered_name_the_field(tmp_path):
-    make_run(tmp_path, "r", _config("tgn"))
+    make_run(tmp_path, "r", run_config("tgn"))
     served = ServedState(RunSource(str(tmp_path), "r"))
     bad = [
         (lambda: parse_score({"src": [1, 2], "dst": [3], "t": 1.0}), "dst: 1 ids for 2"),

@@ -32,23 +32,43 @@ def _env(ray_tmp: str | None = None) -> dict:
     return env
 
 
-@pytest.mark.parametrize(
-    "args, message",
-    [
-        (["--run-name", "nope"], "error: serve: no run 'nope' under"),
-        (["--run-name", "empty"], "error: serve: run 'empty' has no checkpoint yet"),
-        (["--run-name", "empty", "--replicas", "0"], "error: --replicas: N >= 1 or MIN:MAX"),
-        (["--run-name", "empty", "--resources", "[1]"], "error: --resources: a JSON object"),
-        (["--run-name", "empty", "--port", "70000"], "error: --port: a port number"),
-    ],
-)
-def test_bad_starts_end_with_one_line_and_exit_code_2(tmp_path, args, message):
-    (tmp_path / "empty").mkdir()
-    (tmp_path / "empty" / "config.yaml").write_text("seed: 1\n")
-    done = subprocess.run([*SERVE, "--storage", str(tmp_path), *args], capture_output=True,
-                          text=True, timeout=120, env=_env())  # fmt: skip
-    assert done.returncode == 2, done.stderr
-    assert done.stderr.startswith(message) and "Traceback" not in done.stderr, done.stderr
+BAD_STARTS = [
+    (["--run-name", "nope"], "error: serve: no run 'nope' under"),
+    (["--run-name", "empty"], "error: serve: run 'empty' has no checkpoint yet"),
+    (["--run-name", "empty", "--replicas", "0"], "error: --replicas: N >= 1 or MIN:MAX"),
+    (["--run-name", "empty", "--replicas", "3:2"], "error: --replicas: N >= 1 or MIN:MAX"),
+    (["--run-name", "empty", "--resources", "[1]"], "error: --resources: a JSON object"),
+    (["--run-name", "empty", "--port", "70000"], "error: --port: a port number"),
+    (["--run-name", "empty", "--poll-s", "0"], "error: --poll-s: a positive number"),
+    (["--run-name", "empty", "--device", "tpu"], "error: --device: cpu or cuda"),
+]
+
+
+def _empty_run(storage: Path) -> None:
+    """A run directory that holds a run but no checkpoint yet."""
+    (storage / "empty").mkdir()
+    (storage / "empty" / "config.yaml").write_text("seed: 1\n")
+
+
+@pytest.mark.parametrize("args, message", BAD_STARTS)
+def test_bad_starts_end_with_one_line_and_exit_code_2(tmp_path, capsys, args, message):
+    from tidegraph.jobs.serve import main
+
+    _empty_run(tmp_path)
+    assert main(["--storage", str(tmp_path), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(message) and "Traceback" not in err, err
+
+
+def test_a_missing_run_ends_the_command_before_ray_starts(tmp_path):
+    """As a user types it: one line on stderr, exit code 2, and no Ray started."""
+    _empty_run(tmp_path)
+    for args, message in BAD_STARTS[:2]:
+        done = subprocess.run([*SERVE, "--storage", str(tmp_path), *args], capture_output=True,
+                              text=True, timeout=120, env=_env())  # fmt: skip
+        assert done.returncode == 2, done.stderr
+        assert done.stderr == message + done.stderr[len(message) :].split("\n")[0] + "\n"
+        assert "Ray" not in done.stderr
 
 
 def test_the_job_serves_a_run_on_loopback_until_interrupted(tmp_path):
