@@ -7,7 +7,8 @@
    k = 10 over every destination seen (and GET /status, Ray Serve's HTTP path without model
    work), `--requests` requests from each of `--clients`
    concurrent clients (one keep-alive connection each; bounded): latency p50/p99 and
-   queries/s (requests per wall second; pairs per second for batches).
+   queries/s (requests per wall second; pairs per second for batches). The same requests are
+   first answered in this process by the replica's handlers (the model's share of latency).
 3. Freshness: a second training run (local backend, `--fresh-events` events in 10 increments)
    beside one replica that polls every `--poll-s`: for each log file the run writes, the time
    from the file's appearance (this script polls the log every 20 ms) to /status reporting it
@@ -121,6 +122,30 @@ def _bodies(state: ServedState, kind: str, n: int, seed: int = 0) -> list[tuple[
     return out
 
 
+def _in_process(state: ServedState, bodies: list[tuple[str, dict | None]]) -> dict:
+    """The same requests answered by the replica's handlers in this process (one torch
+    thread): the model's share of a request's latency, without Ray Serve's HTTP path."""
+    import torch
+
+    from tidegraph.serving.app import TidegraphServer
+
+    handlers = {"/score": TidegraphServer._score, "/topk": TidegraphServer._topk}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    lat = []
+    try:
+        for path, body in bodies:
+            t0 = time.perf_counter()
+            if body is None:
+                state.status()
+            else:
+                handlers[path](state, body)
+            lat.append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    return _percentiles(lat)
+
+
 def _deploy(name: str, storage: Path, replicas: int, poll_s: float) -> None:
     from ray import serve
 
@@ -207,6 +232,12 @@ def main() -> None:
         print(f"trained {name} in {time.perf_counter() - t0:.0f} s", flush=True)
     state = ServedState(RunSource(str(storage), name))
     state.catch_up()
+    alone = {}
+    for kind in ("status", "score1", "score200", "topk"):
+        _in_process(state, _bodies(state, kind, 10, 98))  # warm up
+        alone[kind] = _in_process(state, _bodies(state, kind, args.requests))
+        print(f"in process {kind:>8}: p50 {alone[kind]['p50_ms']:.1f} ms p99 "
+              f"{alone[kind]['p99_ms']:.1f} ms", flush=True)  # fmt: skip
 
     import ray
     from ray import serve
@@ -246,7 +277,8 @@ def main() -> None:
         ray.shutdown()
     candidates = int(state.negatives.pool.numel())
     write_json("serve.json", {"machine": machine(), "run": name, "candidates": candidates,
-                         "nodes": state.num_nodes, "load": rows, "freshness": fresh})  # fmt: skip
+                         "nodes": state.num_nodes, "in_process": alone, "load": rows,
+                         "freshness": fresh})  # fmt: skip
 
 
 if __name__ == "__main__":

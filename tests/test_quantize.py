@@ -299,7 +299,8 @@ def test_quantize_flat_pads_like_quantize_chunks_without_copying_whole_chunks(bi
     assert ((out - x).abs() <= step * (1 + 1e-5) + 1e-6).all()
 
 
-@pytest.mark.parametrize("world", [2, 3])
+# each case compiles the codec afresh (10-16 s on 2 cores): three ranks are in the slow suite
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("bits", BITS)
 def test_requantize_sum_is_decode_sum_quantize_in_one_pass(world, bits):
     from tidegraph.comm.quantize import dequantize_chunks, quantize_chunks, requantize_sum

@@ -197,6 +197,25 @@ def test_queries_that_cannot_be_answered_name_the_field(tmp_path):
         RunSource(str(tmp_path), "nope")
 
 
+@pytest.mark.gpu
+def test_served_state_on_cuda_answers_as_on_cpu(tmp_path):
+    make_run(tmp_path, "r", run_config("tgn"))
+    source = RunSource(str(tmp_path), "r")
+    tag = "increment-00001"
+    cpu, gpu = ServedState(source, tag), ServedState(source, tag, "cuda")
+    for a, b in zip(cpu.catch_up(1, True), gpu.catch_up(1, True), strict=True):
+        torch.testing.assert_close(a[0], b[0].cpu(), rtol=1e-4, atol=1e-4)
+    ev = source.events.read(cpu.offset, cpu.offset + 100)
+    asked = [s.nodes(ev.src.tolist(), "src") for s in (cpu, gpu)]
+    t = cpu.times(ev.t.tolist(), len(ev))
+    torch.testing.assert_close(
+        gpu.score(asked[1], gpu.nodes(ev.dst.tolist(), "dst"), t).cpu(),
+        cpu.score(asked[0], cpu.nodes(ev.dst.tolist(), "dst"), t), rtol=1e-4, atol=1e-4,
+    )  # fmt: skip
+    torch.testing.assert_close(gpu.embed(asked[1], t).cpu(), cpu.embed(asked[0], t),
+                               rtol=1e-3, atol=1e-3)  # fmt: skip
+
+
 # ---- real Ray Serve on loopback -------------------------------------------------------------
 
 
