@@ -103,6 +103,10 @@ def test_served_state_is_the_learners_at_its_checkpoint_and_after_the_log_grows(
     k = learner.cursor.increment  # the next increment: not in the checkpoint
     assert served.offset == served.checkpoint_offset == bounds[k][0]
     assert served.pending() == [(bounds[k][0], bounds[k][1]), (bounds[k + 1][0], bounds[k + 1][1])]
+    status = served.status()
+    assert status["checkpoint"] == tag and status["applied_offset"] == bounds[k][0]
+    assert status["log_offset"] == bounds[k + 1][1] and status["lag_seconds"] > 0
+    assert status["lag_events"] == bounds[k + 1][1] - bounds[k][0]
 
     # from the checkpoint's state: events not ingested yet, scored as the learner scores them
     ev = _dense(learner, source.events.read(bounds[k][0], bounds[k][0] + 300))

@@ -23,7 +23,6 @@ import json
 import logging
 import os
 import threading
-import time
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -101,26 +100,9 @@ class TidegraphServer:
 
     @api.get("/status")
     def status(self) -> dict:
-        state = self.state
-        out = state.status()
-        out.update(lag_seconds=self._lag_seconds(state), swaps=self.swaps,
-                   refresh_error=self.error, replica_pid=os.getpid())  # fmt: skip
+        out = self.state.status()
+        out.update(swaps=self.swaps, refresh_error=self.error, replica_pid=os.getpid())
         return out
-
-    def _lag_seconds(self, state: ServedState) -> float:
-        """Seconds since the oldest log file not applied yet was written (0: none)."""
-        pending = state.pending()
-        if not pending:
-            return 0.0
-        import pyarrow.fs as pafs
-
-        lo = pending[0][0]
-        for start, end, path in self.source.events.files():
-            if start <= lo < end:
-                info = self.source.fs.get_file_info(path)
-                if info.type == pafs.FileType.File and info.mtime is not None:
-                    return max(0.0, time.time() - info.mtime.timestamp())
-        return 0.0
 
     async def _answer(self, request: Request, handler):
         try:

@@ -132,6 +132,7 @@ class ServedState:
         self.loaded_s = time.perf_counter() - t0
         self.lock = threading.RLock()  # queries and catching up take turns
         self._grow(self.num_nodes)
+        self.pending()  # the first look at the log
 
     # ---- the log -------------------------------------------------------------------------
 
@@ -142,15 +143,19 @@ class ServedState:
         return float(self.source.events.read(offset - 1, offset).t[0])
 
     def pending(self) -> list[tuple[int, int]]:
-        """The log's files of events not applied yet, [(start, end)], without a gap."""
-        out, at = [], self.offset
-        for lo, hi, _ in self.source.events.files():
+        """The log's files of events not applied yet, [(start, end)], without a gap; the
+        look at the log is kept for `status` (the log's end, when the oldest of them was
+        written)."""
+        out, at, since = [], self.offset, None
+        for lo, hi, _, when in self.source.events.listing():
             if hi <= at:
                 continue
             if lo > at:
                 break
             out.append((at, hi))
+            since = when if since is None else since
             at = hi
+        self.log_end, self.pending_since, self.looked = at, since, time.time()
         return out
 
     def catch_up(self, max_files: int | None = None, evaluate: bool = False) -> list:
@@ -294,8 +299,10 @@ class ServedState:
         return out if isinstance(out, list) else out.tolist()
 
     def status(self) -> dict:
-        """What is served: the checkpoint, the last event applied, the lag behind the log."""
-        end = self.source.events.offset
+        """What is served: the checkpoint, the last event applied, the lag behind the log (as
+        of the last look at the log: `pending`, every catch-up)."""
+        end = max(self.log_end, self.offset)
+        behind = end > self.offset and self.pending_since is not None
         return {
             "run": self.source.run_name,
             "checkpoint": self.tag,
@@ -304,7 +311,10 @@ class ServedState:
             "applied_offset": self.offset,
             "last_event_time": None if self.offset == 0 else self.last_t,
             "log_offset": end,
-            "lag_events": max(end - self.offset, 0),
+            "lag_events": end - self.offset,
+            # seconds since the oldest log file not applied yet was written
+            "lag_seconds": max(0.0, time.time() - self.pending_since) if behind else 0.0,
+            "log_checked_s_ago": time.time() - self.looked,
             "nodes": self.num_nodes,
             "candidates": int(self.negatives.pool.numel()),
             "model": self.config.model.name,

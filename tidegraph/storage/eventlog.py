@@ -60,12 +60,19 @@ class EventLog:
         self.fs.move(tmp, name)
 
     def files(self) -> list[tuple[int, int, str]]:
+        """(start, end, path) of every log file, by start."""
+        return [(lo, hi, path) for lo, hi, path, _ in self.listing()]
+
+    def listing(self) -> list[tuple[int, int, str, float | None]]:
+        """(start, end, path, when it was written: seconds since the epoch, None where the
+        file system does not say) of every log file, by start; one listing of the log."""
         infos = self.fs.get_file_info(pafs.FileSelector(self.dir, allow_not_found=True))
         out = []
         for info in infos:
             m = _NAME.match(info.base_name)
             if m:
-                out.append((int(m.group(1)), int(m.group(2)), info.path))
+                when = None if info.mtime is None else info.mtime.timestamp()
+                out.append((int(m.group(1)), int(m.group(2)), info.path, when))
         return sorted(out)
 
     @property
