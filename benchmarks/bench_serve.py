@@ -127,9 +127,9 @@ def _in_process(state: ServedState, bodies: list[tuple[str, dict | None]]) -> di
     thread): the model's share of a request's latency, without Ray Serve's HTTP path."""
     import torch
 
-    from tidegraph.serving.app import TidegraphServer
+    from tidegraph.serving.app import answer_score, answer_topk
 
-    handlers = {"/score": TidegraphServer._score, "/topk": TidegraphServer._topk}
+    handlers = {"/score": answer_score, "/topk": answer_topk}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     lat = []

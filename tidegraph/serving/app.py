@@ -32,7 +32,7 @@ from starlette.concurrency import run_in_threadpool
 from tidegraph.serving.engine import QueryError, RunSource, ServedState, checked_run
 from tidegraph.serving.protocol import parse_embed, parse_score, parse_topk
 
-__all__ = ["TidegraphServer", "build", "server_app"]
+__all__ = ["TidegraphServer", "answer_embed", "answer_score", "answer_topk", "build", "server_app"]
 
 log = logging.getLogger(__name__)
 
@@ -88,15 +88,15 @@ class TidegraphServer:
 
     @api.post("/score")
     async def score(self, request: Request):
-        return await self._answer(request, self._score)
+        return await self._answer(request, answer_score)
 
     @api.post("/topk")
     async def topk(self, request: Request):
-        return await self._answer(request, self._topk)
+        return await self._answer(request, answer_topk)
 
     @api.post("/embed")
     async def embed(self, request: Request):
-        return await self._answer(request, self._embed)
+        return await self._answer(request, answer_embed)
 
     @api.get("/status")
     def status(self) -> dict:
@@ -117,33 +117,34 @@ class TidegraphServer:
         out.update(checkpoint=state.tag, applied_offset=state.offset)
         return out
 
-    @staticmethod
-    def _score(state: ServedState, body) -> dict:
-        src, dst, t = parse_score(body)
-        s, d = state.nodes(src, "src"), state.nodes(dst, "dst")
-        return {"scores": state.score(s, d, state.times(t, len(src))).tolist()}
 
-    @staticmethod
-    def _topk(state: ServedState, body) -> dict:
-        src, t, k, candidates = parse_topk(body)
-        s = state.nodes([src], "src")
-        ts = state.times(t, 1)
-        cand = None if candidates is None else state.nodes(candidates, "candidates").unique()
-        dst, scores = state.topk(int(s[0]), float(ts[0]), k, cand)
-        if candidates is not None:  # unknown candidates share the new-node id: name them back
-            named = dict(zip(state.nodes(candidates, "candidates").tolist(), candidates,
-                             strict=True))  # fmt: skip
-            ids = [named[int(x)] for x in dst]
-        else:
-            ids = state.external(dst)
-        return {"dst": ids, "scores": scores.tolist()}
+# the routes' answers from one state (also timed in process by benchmarks/bench_serve.py)
+def answer_score(state: ServedState, body) -> dict:
+    src, dst, t = parse_score(body)
+    s, d = state.nodes(src, "src"), state.nodes(dst, "dst")
+    return {"scores": state.score(s, d, state.times(t, len(src))).tolist()}
 
-    @staticmethod
-    def _embed(state: ServedState, body) -> dict:
-        nodes, t = parse_embed(body)
-        ids = state.nodes(nodes, "nodes")
-        z = state.embed(ids, state.times(t, len(nodes)))
-        return {"embeddings": z.tolist()}
+
+def answer_topk(state: ServedState, body) -> dict:
+    src, t, k, candidates = parse_topk(body)
+    s = state.nodes([src], "src")
+    ts = state.times(t, 1)
+    cand = None if candidates is None else state.nodes(candidates, "candidates").unique()
+    dst, scores = state.topk(int(s[0]), float(ts[0]), k, cand)
+    if candidates is not None:  # unknown candidates share the new-node id: name them back
+        named = dict(zip(state.nodes(candidates, "candidates").tolist(), candidates,
+                         strict=True))  # fmt: skip
+        ids = [named[int(x)] for x in dst]
+    else:
+        ids = state.external(dst)
+    return {"dst": ids, "scores": scores.tolist()}
+
+
+def answer_embed(state: ServedState, body) -> dict:
+    nodes, t = parse_embed(body)
+    ids = state.nodes(nodes, "nodes")
+    z = state.embed(ids, state.times(t, len(nodes)))
+    return {"embeddings": z.tolist()}
 
 
 def server_app(run_name: str, storage: str = "runs", poll_s: float = 1.0, device: str = "cpu",
