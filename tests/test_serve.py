@@ -65,6 +65,39 @@ def _dense(learner, ev):
     return out
 
 
+def _state_rows(group, ids: torch.Tensor) -> dict:
+    """Every node-state table's rows of nodes `ids`, wherever the group holds them."""
+    if group.state_shards is None:
+        tables = group.trainers[0].model.state_tables()
+        return {k: v.index_select(0, ids) for k, v in tables.items()}
+    owner = group.partitioner.owner(ids)
+    out = {}
+    for p, shard in enumerate(group.state_shards):
+        for k, v in shard.node_state.read(ids[owner == p]).items():
+            out.setdefault(k, torch.zeros((len(ids), *v.shape[1:]), dtype=v.dtype))
+            out[k][owner == p] = v
+    return out
+
+
+def _assert_same_node_state(served, learner) -> None:
+    """The served state's node-state rows are the learner's, node for node (every node the
+    learner holds a row of)."""
+    ids = torch.arange(learner.num_nodes)
+    placed = getattr(learner.group.partitioner, "map", None)
+    if placed is not None:
+        ids = ids[(ids < len(placed)) & (placed[ids.clamp(max=len(placed) - 1)] >= 0)]
+    if learner.group.state_shards is not None:
+        owner = learner.group.partitioner.owner(ids)
+        held = torch.zeros(len(ids), dtype=torch.bool)
+        for p, shard in enumerate(learner.group.state_shards):
+            held[owner == p] = shard.node_state.index.contains(ids[owner == p])
+        ids = ids[held]
+    want, got = _state_rows(learner.group, ids), _state_rows(served.group, ids)
+    assert sorted(want) == sorted(got) and len(ids) > 100
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=0, atol=2e-5, msg=key)
+
+
 def _ask(served, ev):
     """(src, dst, t) of events `ev` (dense ids) as a client names them, mapped back by the
     served state."""
@@ -116,9 +149,11 @@ def test_served_state_is_the_learners_at_its_checkpoint_and_after_the_log_grows(
     got = served.score(*_ask(served, ev))
     torch.testing.assert_close(got, want, rtol=0, atol=2e-6)
 
-    # the log's next increment applied: the learner's evaluation pass, logit for logit
+    # the log's next increment applied: the learner's evaluation pass, logit for logit, and
+    # its node state after it, node for node
     pos, neg = evaluate_next_increment(learner)
     scores = served.catch_up(max_files=1, evaluate=True)
+    _assert_same_node_state(served, learner)
     torch.testing.assert_close(torch.cat([p for p, _ in scores]), pos, rtol=0, atol=2e-5)
     torch.testing.assert_close(torch.cat([n for _, n in scores]), neg, rtol=0, atol=2e-5)
     _assert_recorded(tmp_path / "r", k, scores)
@@ -139,13 +174,19 @@ def test_served_state_is_the_learners_at_its_checkpoint_and_after_the_log_grows(
     torch.testing.assert_close(got, learner_scores(learner, ev), rtol=0, atol=2e-6)
 
     # /topk ranks by the same scores; /embed gives the embeddings they come from
-    best, probs = served.topk(int(src[0]), float(ts[0]), 5)
-    assert probs.shape == (5,) and bool((probs[:-1] >= probs[1:]).all())
-    again = served.score(src[:1].expand(5), best, ts[:1].expand(5))
-    torch.testing.assert_close(probs, again, rtol=0, atol=2e-6)
     pool = served.negatives.pool
+    best, probs = served.topk(int(src[0]), float(ts[0]), 5)  # positions in the pool
+    assert probs.shape == (5,) and bool((probs[:-1] >= probs[1:]).all())
+    again = served.score(src[:1].expand(5), pool[best], ts[:1].expand(5))
+    torch.testing.assert_close(probs, again, rtol=0, atol=2e-6)
     everything = served.score(src[:1].expand(len(pool)), pool, ts[:1].expand(len(pool)))
     assert float(probs[0]) == pytest.approx(float(everything.max()), abs=2e-6)
+    # candidates in passes of at most eval_max_roots roots: the same ranking
+    served.config.train.eval_max_roots = 50
+    chunked, chunked_probs = served.topk(int(src[0]), float(ts[0]), 5)
+    assert torch.equal(chunked, best)
+    torch.testing.assert_close(chunked_probs, probs, rtol=0, atol=2e-6)
+    served.config.train.eval_max_roots = 8192
     z = served.embed(torch.cat([src[:20], dst[:20]]), torch.cat([ts[:20], ts[:20]]))
     model = served.trainer.model
     with torch.no_grad():
@@ -276,15 +317,18 @@ def test_a_ray_run_served_over_http_answers_as_its_learner(serve_http, tmp_path)
         status, answer = http(f"{serve_http}/topk", {"src": src, "t": t, "k": 10})
         assert status == 200, answer
         best, probs = served.topk(int(served.nodes([src], "src")[0]), t, 10)
-        assert answer["dst"] == served.external(best)
+        assert answer["dst"] == served.external(served.negatives.pool[best])
         torch.testing.assert_close(torch.tensor(answer["scores"]), probs, rtol=0, atol=1e-6)
         status, answer = http(f"{serve_http}/embed", {"nodes": [src, 10**15], "t": t})
         assert status == 200, answer
         z = served.embed(served.nodes([src, 10**15], "nodes"), served.times(t, 2))
         torch.testing.assert_close(torch.tensor(answer["embeddings"]), z, rtol=0, atol=1e-6)
-        two = [10**15, int(ev.dst[0])]  # a new node and a known one
-        status, answer = http(f"{serve_http}/topk", {"src": src, "t": t, "k": 2, "candidates": two})
-        assert status == 200 and sorted(answer["dst"]) == sorted(two)
+        three = [10**15, int(ev.dst[0]), 10**15 + 1]  # two new nodes and a known one
+        body = {"src": src, "t": t, "k": 3, "candidates": three + [10**15]}
+        status, answer = http(f"{serve_http}/topk", body)
+        assert status == 200 and sorted(answer["dst"]) == sorted(three), answer
+        new = [p for d, p in zip(answer["dst"], answer["scores"], strict=True) if d >= 10**15]
+        assert len(new) == 2 and new[0] == new[1]  # new nodes look alike
 
         # bad requests: 400 naming the field
         for body, message in [
@@ -323,12 +367,14 @@ def test_a_newer_checkpoint_is_swapped_in_under_a_request_loop(serve_http, tmp_p
     answers: list[tuple[int, str | None]] = []
     stop = threading.Event()
 
-    def loop() -> None:
-        body = {"src": [1, 2, 3], "dst": [8000, 8001, 8002], "t": 1e12}
-        for _ in range(20_000):  # bounded
+    def loop() -> None:  # new nodes and candidates too: ids are mapped while the log applies
+        score = {"src": [1, 2, 3, 10**15], "dst": [8000, 8001, 8002, 8003], "t": 1e12}
+        topk = {"src": 10**15, "t": 1e12, "k": 3, "candidates": [8000, 10**15 + 1, 9000]}
+        for i in range(20_000):  # bounded
             if stop.is_set():
                 return
-            status, answer = http(f"{serve_http}/score", body)
+            status, answer = http(f"{serve_http}/score", score) if i % 2 else http(
+                f"{serve_http}/topk", topk)  # fmt: skip
             answers.append((status, answer.get("checkpoint") or answer.get("error")))
 
     thread = threading.Thread(target=loop, daemon=True)

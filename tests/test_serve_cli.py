@@ -41,6 +41,9 @@ BAD_STARTS = [
     (["--run-name", "empty", "--port", "70000"], "error: --port: a port number"),
     (["--run-name", "empty", "--poll-s", "0"], "error: --poll-s: a positive number"),
     (["--run-name", "empty", "--device", "tpu"], "error: --device: cpu or cuda"),
+    (["--run-name", "empty", "--device", "cuda"], "error: --device cuda: give each replica"),
+    (["--run-name", "empty", "--detach"], "error: --detach: leaves the application on a"),
+    (["--run-name", "empty", "--route-prefix", "x"], "error: --route-prefix: must start"),
 ]
 
 
@@ -51,9 +54,10 @@ def _empty_run(storage: Path) -> None:
 
 
 @pytest.mark.parametrize("args, message", BAD_STARTS)
-def test_bad_starts_end_with_one_line_and_exit_code_2(tmp_path, capsys, args, message):
+def test_bad_starts_end_with_one_line_and_exit_code_2(tmp_path, capsys, monkeypatch, args, message):
     from tidegraph.jobs.serve import main
 
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
     _empty_run(tmp_path)
     assert main(["--storage", str(tmp_path), *args]) == 2
     err = capsys.readouterr().err

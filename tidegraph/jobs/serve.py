@@ -4,8 +4,9 @@ Serves run R's freshest model over HTTP with Ray Serve (`tidegraph.serving.app`)
 checkpoint plus the events its durable log received since, swapping in newer checkpoints as
 the run writes them. It joins the Ray cluster at `RAY_ADDRESS` (beside a training job) or
 starts a local Ray bound to 127.0.0.1, serves on `--host` (127.0.0.1) `--port` (8000) until
-interrupted (Ctrl-C, SIGTERM), then takes the application down. `--detach` leaves it running
-on a cluster and exits (`serve shutdown` or `serve delete tidegraph` removes it).
+interrupted (Ctrl-C, SIGTERM), then takes the application down. The application is named
+`tidegraph-R` (`--route-prefix` puts a second run's routes beside the first's); `--detach`
+leaves it running on a cluster and exits (`serve delete tidegraph-R` removes it).
 
 Routes: POST /score, /topk, /embed and GET /status (see `tidegraph.serving.app`). Replicas:
 `--replicas N`, or `--replicas MIN:MAX` for Ray Serve's autoscaling; each asks Ray for
@@ -39,6 +40,11 @@ def _parser() -> argparse.ArgumentParser:
                    "an s3://, gs:// URI; default runs)")  # fmt: skip
     p.add_argument("--host", default="127.0.0.1", help="HTTP address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+    p.add_argument(
+        "--route-prefix",
+        default="/",
+        help="where the routes start (default /; another run on one cluster: /R)",
+    )
     p.add_argument("--replicas", default="1", help="N replicas, or MIN:MAX to autoscale")
     p.add_argument("--target-requests", type=float, default=2.0,
                    help="autoscaling: ongoing requests per replica to aim at")  # fmt: skip
@@ -80,6 +86,13 @@ def _options(args) -> dict:
         raise ValueError("--num-cpus, --num-gpus: must be >= 0")
     if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
         raise ValueError(f"--device: cpu or cuda expected, got {args.device!r}")
+    if args.device != "cpu" and not args.num_gpus > 0:
+        raise ValueError("--device cuda: give each replica a GPU share (--num-gpus 1, or 0.5)")
+    if args.detach and not os.environ.get("RAY_ADDRESS"):
+        raise ValueError("--detach: leaves the application on a cluster (RAY_ADDRESS); a local "
+                         "Ray ends with this command")  # fmt: skip
+    if not args.route_prefix.startswith("/"):
+        raise ValueError(f"--route-prefix: must start with '/', got {args.route_prefix!r}")
     try:
         resources = json.loads(args.resources)
     except ValueError:
@@ -99,10 +112,9 @@ def _options(args) -> dict:
 
 def _connect(options: dict) -> bool:
     """Join RAY_ADDRESS's cluster or start a local Ray on 127.0.0.1; True when started."""
-    import ray
-
     from tidegraph.orchestrator import cluster  # sets the loopback switches before ray loads
 
+    ray = cluster.ray
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], namespace="tidegraph-serve",
                  configure_logging=False)  # fmt: skip
@@ -125,10 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         options = _options(args)
         checked_run(options["storage"], options["run_name"])  # a missing run: here, at once
     except ValueError as err:
-        if args.debug:
-            traceback.print_exception(err, file=sys.stderr)
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return _error(err, args.debug)
     started = _connect(options)
     stop = threading.Event()  # Ctrl-C or SIGTERM, from now on: a clean stop
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -137,26 +146,39 @@ def main(argv: list[str] | None = None) -> int:
 
     from tidegraph.serving.app import server_app
 
+    name = f"tidegraph-{args.run_name}"  # one application per run served on a cluster
     try:
-        serve.start(http_options={"host": args.host, "port": args.port})
-        app = server_app(**options)
-        serve.run(app, name="tidegraph", route_prefix="/", blocking=False)
-        status = serve.status().applications["tidegraph"]
-        print(f"serving run {args.run_name} on http://{args.host}:{args.port} "
-              f"({status.status}); POST /score /topk /embed, GET /status", flush=True)  # fmt: skip
+        try:
+            serve.start(http_options={"host": args.host, "port": args.port})
+            serve.run(server_app(**options), name=name, route_prefix=args.route_prefix,
+                      blocking=False)  # fmt: skip
+        except Exception as err:  # a port taken, a replica that cannot start: one line, 2
+            return _error(RuntimeError(f"serve: could not start serving run {args.run_name!r}: "
+                                       f"{type(err).__name__}: {err}"), args.debug)  # fmt: skip
+        status = serve.status().applications[name]
+        url = f"http://{args.host}:{args.port}{args.route_prefix.rstrip('/')}"
+        print(f"serving run {args.run_name} on {url} ({status.status}); POST /score /topk "
+              f"/embed, GET /status", flush=True)  # fmt: skip
         if args.detach:
             return 0
         stop.wait()
         print("stopping", flush=True)
-        serve.delete("tidegraph")
+        serve.delete(name)
         return 0
     finally:
+        if started:
+            serve.shutdown()
         if started or not args.detach:
-            if started:
-                serve.shutdown()
-            import ray
+            import ray  # loaded by `_connect` already
 
             ray.shutdown()
+
+
+def _error(err: BaseException, debug: bool) -> int:
+    if debug:
+        traceback.print_exception(err, file=sys.stderr)
+    print(f"error: {err}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -39,6 +39,44 @@ log = logging.getLogger(__name__)
 api = FastAPI(title="tidegraph")
 
 
+def _locked(handler, state: ServedState, body) -> dict:
+    """`handler`'s answer from `state` with no log event applied meanwhile (ids mapped, times
+    checked and the answer computed at one offset, which it names)."""
+    with state.lock:
+        out = handler(state, body)
+        out.update(checkpoint=state.tag, applied_offset=state.offset)
+    return out
+
+
+# the routes' answers from one state (also timed in process by benchmarks/bench_serve.py)
+def answer_score(state: ServedState, body) -> dict:
+    src, dst, t = parse_score(body)
+    s, d = state.nodes(src, "src"), state.nodes(dst, "dst")
+    return {"scores": state.score(s, d, state.times(t, len(src))).tolist()}
+
+
+def answer_topk(state: ServedState, body) -> dict:
+    src, t, k, candidates = parse_topk(body)
+    s = state.nodes([src], "src")
+    ts = state.times(t, 1)
+    if candidates is None:  # every destination seen
+        best, scores = state.topk(int(s[0]), float(ts[0]), k)
+        ids = state.external(state.negatives.pool[best])
+    else:  # each distinct candidate once (new nodes share a dense id, not a place)
+        named = list(dict.fromkeys(candidates))
+        best, scores = state.topk(int(s[0]), float(ts[0]), k, state.nodes(named, "candidates"))
+        ids = [named[i] for i in best.tolist()]
+    return {"dst": ids, "scores": scores.tolist()}
+
+
+def answer_embed(state: ServedState, body) -> dict:
+    nodes, t = parse_embed(body)
+    ids = state.nodes(nodes, "nodes")
+    z = state.embed(ids, state.times(t, len(nodes)))
+    return {"embeddings": z.tolist()}
+
+
+# (the deployment is pickled when it is declared: what its methods call is defined above it)
 @serve.deployment(name="tidegraph", ray_actor_options={"num_cpus": 1})
 @serve.ingress(api)
 class TidegraphServer:
@@ -71,9 +109,10 @@ class TidegraphServer:
                 log.warning("refresh failed (retried in %.1f s): %s", self.poll_s, self.error)
 
     def refresh(self) -> None:
-        """Swap in a newer checkpoint (brought up to the log first), then apply one log file."""
+        """Swap in a newer checkpoint (brought up to the log first; the newest again when the
+        state in use failed to apply a log file), then apply one log file."""
         latest = self.source.latest()
-        if latest is not None and latest != self.state.tag:
+        if latest is not None and (latest != self.state.tag or self.state.broken):
             fresh = ServedState(self.source, latest, self.device)
             fresh.catch_up()
             self.state, old = fresh, self.state  # requests under way keep the old one
@@ -107,44 +146,13 @@ class TidegraphServer:
     async def _answer(self, request: Request, handler):
         try:
             body = json.loads(await request.body())
-        except (ValueError, UnicodeDecodeError) as exc:
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
             return JSONResponse({"error": f"body: not JSON ({exc})"}, status_code=400)
         state = self.state  # the state this request is answered from, whatever swaps meanwhile
         try:
-            out = await run_in_threadpool(handler, state, body)
+            return await run_in_threadpool(_locked, handler, state, body)
         except QueryError as exc:
             return JSONResponse({"error": str(exc)}, status_code=400)
-        out.update(checkpoint=state.tag, applied_offset=state.offset)
-        return out
-
-
-# the routes' answers from one state (also timed in process by benchmarks/bench_serve.py)
-def answer_score(state: ServedState, body) -> dict:
-    src, dst, t = parse_score(body)
-    s, d = state.nodes(src, "src"), state.nodes(dst, "dst")
-    return {"scores": state.score(s, d, state.times(t, len(src))).tolist()}
-
-
-def answer_topk(state: ServedState, body) -> dict:
-    src, t, k, candidates = parse_topk(body)
-    s = state.nodes([src], "src")
-    ts = state.times(t, 1)
-    cand = None if candidates is None else state.nodes(candidates, "candidates").unique()
-    dst, scores = state.topk(int(s[0]), float(ts[0]), k, cand)
-    if candidates is not None:  # unknown candidates share the new-node id: name them back
-        named = dict(zip(state.nodes(candidates, "candidates").tolist(), candidates,
-                         strict=True))  # fmt: skip
-        ids = [named[int(x)] for x in dst]
-    else:
-        ids = state.external(dst)
-    return {"dst": ids, "scores": scores.tolist()}
-
-
-def answer_embed(state: ServedState, body) -> dict:
-    nodes, t = parse_embed(body)
-    ids = state.nodes(nodes, "nodes")
-    z = state.embed(ids, state.times(t, len(nodes)))
-    return {"embeddings": z.tolist()}
 
 
 def server_app(run_name: str, storage: str = "runs", poll_s: float = 1.0, device: str = "cpu",
@@ -155,6 +163,7 @@ def server_app(run_name: str, storage: str = "runs", poll_s: float = 1.0, device
     `num_cpus`, `num_gpus` and custom `resources` (reserve serving nodes with them). A missing
     run, or one without a checkpoint, is a ValueError here, before anything starts."""
     storage = checked_run(storage, run_name)
+    _check_poll(poll_s)
     actor = {"num_cpus": num_cpus, "num_gpus": num_gpus, "resources": dict(resources or {})}
     scaling = (
         {"autoscaling_config": replicas} if isinstance(replicas, dict) else
@@ -174,7 +183,13 @@ def build(args: dict):
         raise ValueError(f"tidegraph serve app: arguments {sorted(known)} (run_name required), "
                          f"got {sorted(args)}")  # fmt: skip
     storage = checked_run(args.get("storage", "runs"), args["run_name"])
+    _check_poll(float(args.get("poll_s", 1.0)))
     return TidegraphServer.bind(
         args["run_name"], storage, float(args.get("poll_s", 1.0)),
         args.get("device", "cpu"), int(args.get("threads", 1)),
     )  # fmt: skip
+
+
+def _check_poll(poll_s: float) -> None:
+    if not poll_s > 0:
+        raise ValueError(f"serve: poll_s must be a positive number of seconds, got {poll_s!r}")

@@ -65,7 +65,7 @@ class RunSource:
             raise ValueError(f"serve: no run {run_name!r} under {storage} "
                              f"({self.path}/config.yaml does not exist)")  # fmt: skip
         self.checkpoints = CheckpointStore(self.fs, f"{self.path}/checkpoints")
-        self.events = EventLog(f"{storage.rstrip('/')}/{run_name}")
+        self.events = EventLog(f"{storage.rstrip('/')}/{run_name}", create=False)
 
     def config(self) -> dict:
         with self.fs.open_input_stream(f"{self.path}/config.yaml") as f:
@@ -105,7 +105,7 @@ class ServedState:
         if self.tag is None:
             raise ValueError(f"serve: run {source.run_name!r} has no checkpoint yet "
                              f"({source.path}/checkpoints)")  # fmt: skip
-        state = source.checkpoints.load(self.tag)
+        state = source.checkpoints.load(self.tag, host=True)  # then onto `device`
         self.step = source.checkpoints.meta(self.tag).get("step")
         config = RunConfig.from_dict(state.get("config") or source.config())
         group_state = state["learner"]["group"]
@@ -113,13 +113,14 @@ class ServedState:
         c.backend, c.trainers, c.min_trainers, c.max_trainers = "local", 1, 1, 1
         c.memory = group_state["memory_placement"]
         c.faults, c.spare_trainers = [], 0
-        config.device, config.timeline, config.progress = device, 0, False
+        config.device, config.graph_device = device, device
+        config.timeline, config.progress = 0, False
         self.config = config
         orch = state["learner"]["orchestrator"]
         self.idmap = IdMap.from_state(orch["idmap"])
         self.num_nodes = int(orch["num_nodes"])
         self.negatives = NegativeSampler(0)
-        self.negatives.load_state_dict(orch["negatives"])  # the learner's draws, for `evaluate`
+        self.negatives.load_state_dict(orch["negatives"])  # the learner's draws (`catch_up`)
         self.group = LocalGroup(config, 0, source.edge_dim(), expected_nodes=self.num_nodes)
         self.group._load_common_state(group_state)
         for shard, s in zip(self.group.shards, group_state["shards"], strict=True):
@@ -131,6 +132,7 @@ class ServedState:
         self.last_t = self._time_before(self.offset)
         self.loaded_s = time.perf_counter() - t0
         self.lock = threading.RLock()  # queries and catching up take turns
+        self.broken: str | None = None  # a catch-up failed midway: rebuild from a checkpoint
         self._grow(self.num_nodes)
         self.pending()  # the first look at the log
 
@@ -159,29 +161,38 @@ class ServedState:
         return out
 
     def catch_up(self, max_files: int | None = None, evaluate: bool = False) -> list:
-        """Apply the log's events since the last applied (at most `max_files` files); returns,
-        per batch applied, (pos logits, negative logits): the learner's evaluation scores of
-        those events, with its negatives (`train.eval_negatives` drawn as the learner draws
-        them) when `evaluate`, else none. The lock is released between batches."""
+        """Apply the log's events since the last applied (at most `max_files` files), each
+        batch scored against `train.eval_negatives` negatives drawn as the learner draws them
+        (node state records what the pass touched, negatives included, as the learner's
+        evaluation does); with `evaluate`, returns per batch (pos logits, negative logits).
+        The lock is released between batches. A failure midway marks the state `broken` (a
+        file half applied cannot be applied again): serve a fresh one."""
+        if self.broken:
+            raise RuntimeError(f"ServedState: {self.broken}")
         scores = []
+        q = self.config.train.eval_negatives
         for lo, hi in self.pending()[:max_files]:
             ev = self.source.events.read(lo, hi)
-            with self.lock:
-                self._ingest(ev, lo, hi)
-            q = self.config.train.eval_negatives if evaluate else 0
-            for b in range(0, len(ev), self.batch):
-                part = ev.select(slice(b, b + self.batch))
-                neg = self.negatives.sample(len(part), q) if q else _none(len(part))
+            try:
                 with self.lock:
-                    scores.append(self.group.eval_step(part, neg, observe=True))
-                    self.offset = lo + b + len(part)
-                    self.last_t = float(part.t[-1])
+                    self._ingest(ev, lo, hi)
+                for b in range(0, len(ev), self.batch):
+                    part = ev.select(slice(b, b + self.batch))
+                    with self.lock:
+                        got = self.group.eval_step(part, self.negatives.sample(len(part), q), True)
+                        self.offset = lo + b + len(part)
+                        self.last_t = float(part.t[-1])
+                    if evaluate:
+                        scores.append(got)
+            except BaseException as exc:
+                self.broken = f"applying log events [{lo}, {hi}) failed: {exc!r}"
+                raise
         return scores
 
     def _ingest(self, ev: EventBatch, lo: int, hi: int) -> None:
         """Log events [lo, hi) into the graph (their external ids mapped as the learner maps a
         live increment's: new ones in order of first appearance)."""
-        if self.idmap.kind == "int" and self.idmap.mapped:
+        if self.idmap.kind == "int":  # the identity below its bound; a run's later ids mapped
             ev.src, ev.dst = self.idmap.map_events(ev.src, ev.dst)
         if len(ev):
             top = int(torch.maximum(ev.src.max(), ev.dst.max())) + 1
@@ -208,8 +219,9 @@ class ServedState:
 
     def nodes(self, ids, field: str) -> torch.Tensor:
         """Dense ids of external ids (a list of ints, or of strings for a run of string ids);
-        new nodes (ids the map does not hold, or that no event applied so far names) get the
-        id one past the served nodes."""
+        new nodes (ids the map does not hold, beyond the served nodes, or without a place or
+        a state row where partitions or shards hold them) get the id one past the served
+        nodes. (A node below that the run has not seen keeps its id, as the learner would.)"""
         if self.idmap.kind == "str":
             if not all(isinstance(x, str) for x in ids):
                 raise QueryError(f"{field}: this run's node ids are strings")
@@ -259,21 +271,27 @@ class ServedState:
     def topk(
         self, src: int, t: float, k: int, candidates: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(dense ids, probabilities) of the `k` likeliest destinations of dense `src` at `t`
-        among dense `candidates` (None: every destination seen), best first."""
+        """(positions in `candidates`, probabilities) of the `k` likeliest destinations of
+        dense `src` at `t` among dense `candidates` (None: every destination seen; a dense id
+        may repeat: new nodes share one), best first; `eval_max_roots` roots a pass."""
         with self.lock, self._new_node_placed():
             cand = self.negatives.pool if candidates is None else candidates
             if not 1 <= k <= cand.numel():
                 raise QueryError(f"k: must be in [1, {cand.numel()}] (the candidates), got {k}")
-            ev = _queries(torch.tensor([src]), cand[:1], torch.tensor([t], dtype=torch.float64))
-            _, logits = self.group.eval_step(ev, cand.view(1, -1), observe=False)
-        best = torch.topk(logits[0], k)
-        return cand[best.indices], torch.sigmoid(best.values)
+            distinct, inverse = torch.unique(cand, return_inverse=True)
+            ev = _queries(torch.tensor([src]), distinct[:1], torch.tensor([t], dtype=torch.float64))
+            step = max(1, self.config.train.eval_max_roots - 2)
+            logits = torch.cat([self.group.eval_step(ev, part.view(1, -1), observe=False)[1][0]
+                                for part in distinct.split(step)])  # fmt: skip
+        best = torch.topk(logits[inverse], k)
+        return best.indices, torch.sigmoid(best.values)
 
     def embed(self, nodes: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        """Embeddings [N, D] of dense `nodes` at times `t`."""
+        """Embeddings [N, D] of dense `nodes` at times `t` (`eval_max_roots` roots a pass)."""
+        step = self.config.train.eval_max_roots
         with self.lock, self._new_node_placed():
-            return self.trainer.embed_roots(nodes, t)
+            parts = zip(nodes.split(step), t.split(step), strict=True)
+            return torch.cat([self.trainer.embed_roots(n, ts) for n, ts in parts])
 
     @contextmanager
     def _new_node_placed(self):
@@ -329,7 +347,7 @@ def evaluation_metrics(scores: list) -> dict:
     return link_metrics(pos, neg)
 
 
-def _none(n: int) -> torch.Tensor:
+def _none(n: int) -> torch.Tensor:  # no negatives
     return torch.empty(n, 0, dtype=torch.int64)
 
 

@@ -43,7 +43,10 @@ def _ids(body: dict, name: str) -> list:
 def _number(x, name: str) -> float:
     if isinstance(x, bool) or not isinstance(x, int | float):
         raise QueryError(f"{name}: a number expected, got {x!r}")
-    return float(x)
+    try:
+        return float(x)
+    except OverflowError:
+        raise QueryError(f"{name}: {str(x)[:20]}... is out of range") from None
 
 
 def _times(body: dict, n: int) -> list[float] | float:

@@ -177,25 +177,33 @@ class CheckpointStore:
         index = self._index()
         return [index.get("meta", {}).get(tag, {}) for tag in index["order"]]
 
-    def load(self, tag: str | None = None, resolve: bool = True):
+    def load(self, tag: str | None = None, resolve: bool = True, host: bool = False):
         """Checkpoint `tag` (default: the newest), every tensor as it was saved (`resolve`
-        False: large ones as refs, for `resolve` where they are needed)."""
+        False: large ones as refs, for `resolve` where they are needed; `host`: every tensor
+        in host memory, whatever device it was saved from)."""
         tag = tag or self.latest()
         if tag is None:
             raise FileNotFoundError(f"{self.path}: no checkpoint")
-        state = torch.load(io.BytesIO(self._read(f"{tag}.pt")), weights_only=False)
-        return self.resolve(state) if resolve else state
+        where = "cpu" if host else None
+        state = torch.load(io.BytesIO(self._read(f"{tag}.pt")), weights_only=False,
+                           map_location=where)  # fmt: skip
+        if not resolve:
+            return state
+        return _map(state, None, self._host_tensor) if host else self.resolve(state)
 
     def resolve(self, state):
         """`state` with its refs read back as tensors."""
         return _map(state, None, self._tensor)
 
-    def _tensor(self, ref: TensorRef) -> torch.Tensor:
+    def _host_tensor(self, ref: TensorRef) -> torch.Tensor:
+        return self._tensor(ref, host=True)
+
+    def _tensor(self, ref: TensorRef, host: bool = False) -> torch.Tensor:
         data = bytearray().join(self._read(f"blobs/{key}") for key in ref.chunks)
         dtype = getattr(torch, ref.dtype)
         t = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
         t = t.view(dtype).reshape(ref.shape)
-        if ref.device.startswith("cuda") and torch.cuda.is_available():
+        if ref.device.startswith("cuda") and torch.cuda.is_available() and not host:
             t = t.to(ref.device)
         return t
 

@@ -37,10 +37,12 @@ def open_fs(uri: str) -> tuple[pafs.FileSystem, str]:
 
 
 class EventLog:
-    def __init__(self, uri: str) -> None:
+    def __init__(self, uri: str, create: bool = True) -> None:
+        """`create` False: a reader's view, which writes nothing (not even the directory)."""
         self.fs, root = open_fs(uri)
         self.dir = f"{root.rstrip('/')}/events"
-        self.fs.create_dir(self.dir, recursive=True)
+        if create:
+            self.fs.create_dir(self.dir, recursive=True)
 
     def append(self, events: EventBatch, start: int, end: int) -> None:
         """Make events [start, end) durable (they are `events`, in stream order)."""
