@@ -127,6 +127,24 @@ def test_checkpoints_written_as_whole_files_are_read_and_retired_in_order(tmp_pa
     assert float(store.load("increment-00001")["x"][0]) == 1.0
 
 
+def test_a_listing_that_meets_a_directory_being_made_is_taken_again(tmp_path, monkeypatch):
+    """Actors put chunks at once: one lists blobs/ while another creates it, and pyarrow then
+    reports the directory missing although it exists (seen at a Ray run's first checkpoint);
+    the store lists again."""
+    store = CheckpointStore.at(str(tmp_path / "store"))
+    store.put({"w": torch.arange(100_000, dtype=torch.float32)})  # a chunk in blobs/
+    real, failures = store.fs.get_file_info, [2]
+
+    def flaky(selector):
+        if failures[0]:
+            failures[0] -= 1
+            raise FileNotFoundError("Cannot list directory '.../blobs'")
+        return real(selector)
+
+    monkeypatch.setattr(store, "fs", type("FS", (), {"get_file_info": staticmethod(flaky)}))
+    assert len(store._list("blobs")) >= 1 and failures == [0]
+
+
 def test_compact_gives_views_their_own_storage():
     flat = torch.randn(10_000)
     state = {"w": flat[:100].view(10, 10), "whole": flat, "opt": [flat[100:200]]}

@@ -24,6 +24,7 @@ import logging
 import os
 import threading
 
+import ray
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from ray import serve
@@ -140,7 +141,8 @@ class TidegraphServer:
     @api.get("/status")
     def status(self) -> dict:
         out = self.state.status()
-        out.update(swaps=self.swaps, refresh_error=self.error, replica_pid=os.getpid())
+        out.update(swaps=self.swaps, refresh_error=self.error, replica_pid=os.getpid(),
+                   replica_node=ray.get_runtime_context().get_node_id())  # fmt: skip
         return out
 
     async def _answer(self, request: Request, handler):

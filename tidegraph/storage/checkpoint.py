@@ -35,6 +35,7 @@ import hashlib
 import io
 import json
 import logging
+import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -227,9 +228,20 @@ class CheckpointStore:
         return {"order": [tag for *_, tag in old], "blobs": {}, "meta": {}}
 
     def _list(self, sub: str) -> list[str]:
+        """Files in `sub`. Other processes write chunks there at the same time (a temporary
+        name, then a move): a listing that meets an entry gone between reading the directory
+        and looking at the entry fails (pyarrow: "Cannot list directory", ENOENT) and is
+        taken again (bounded)."""
         where = f"{self.path}/{sub}".rstrip("/")
-        infos = self.fs.get_file_info(pafs.FileSelector(where, allow_not_found=True))
-        return [i.path for i in infos if i.type == pafs.FileType.File]
+        for attempt in range(20):
+            try:
+                infos = self.fs.get_file_info(pafs.FileSelector(where, allow_not_found=True))
+                return [i.path for i in infos if i.type == pafs.FileType.File]
+            except FileNotFoundError:
+                if attempt == 19:
+                    raise
+                time.sleep(0.01 * (attempt + 1))
+        raise AssertionError("unreachable")
 
     def _exists(self, name: str) -> bool:
         return self.fs.get_file_info(f"{self.path}/{name}").type != pafs.FileType.NotFound
