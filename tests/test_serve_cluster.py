@@ -37,6 +37,15 @@ def test_a_replica_asking_for_a_serving_resource_runs_on_the_serving_node(tmp_pa
             assert status == 200 and answer["lag_events"] == 0
             nodes.add(answer["replica_node"])
         assert nodes == {serving.node_id} and training.node_id not in nodes
+        # Ray Serve's autoscaling instead of a count (`--replicas 1:2`), on the same node
+        scaling = {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 2}
+        app = server_app("r", str(tmp_path), num_cpus=0.5, resources={"tg_serve": 1},
+                         replicas=scaling)  # fmt: skip
+        serve.run(app, name="tidegraph-r", route_prefix="/")
+        (deployment,) = serve.status().applications["tidegraph-r"].deployments.values()
+        assert deployment.status == "HEALTHY"
+        status, answer = http(f"http://127.0.0.1:{port}/status")
+        assert status == 200 and answer["replica_node"] == serving.node_id
     finally:
         serve.shutdown()
         ray.shutdown()
