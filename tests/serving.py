@@ -4,7 +4,6 @@ them, and HTTP on loopback."""
 from __future__ import annotations
 
 import json
-import socket
 import sys
 import urllib.error
 import urllib.request
@@ -20,6 +19,7 @@ from tidegraph.training.data import stream_for
 
 sys.path.insert(0, str(Path(__file__).parent))
 import reference_run  # noqa: E402
+from test_job_submit import free_port  # noqa: E402,F401  (serving tests take it from here)
 
 
 def run_config(model: str = "tgn", **cluster) -> RunConfig:
@@ -105,12 +105,6 @@ def learner_scores(learner: ContinualLearner, ev: EventBatch) -> torch.Tensor:
     queries = EventBatch(ev.src, ev.dst, ev.t, torch.full_like(ev.src, -1))
     pos, _ = learner.group.eval_step(queries, torch.empty(len(ev), 0, dtype=torch.int64), False)
     return torch.sigmoid(pos)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def http(url: str, body=None, timeout: float = 60.0) -> tuple[int, dict]:

@@ -122,8 +122,7 @@ def _connect(options: dict) -> bool:
     replicas = options["replicas"]
     most = replicas["max_replicas"] if isinstance(replicas, dict) else replicas
     cpus = max(os.cpu_count() or 1, int(most * options["num_cpus"]) + 1)
-    plenty = {k: max(cluster._LOCAL_FLOOR, most * v * cluster._LOCAL_PLENTY)
-              for k, v in options["resources"].items()}  # fmt: skip
+    plenty = cluster.local_resources([(most, options["resources"])])
     ray.init(_node_ip_address="127.0.0.1", num_cpus=cpus, resources=plenty or None,
              namespace="tidegraph-serve", include_dashboard=False,
              configure_logging=False)  # fmt: skip

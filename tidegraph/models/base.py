@@ -92,13 +92,18 @@ class TemporalModel(nn.Module):
         embeddings; the gradient of the gather sums the duplicates' rows first).
         """
         b, q = neg_BQ.shape
-        first = first_block(blocks)
-        if first is None or first.root_index is None:
-            z = self.embed(*link_roots(src, dst, neg_BQ, t), blocks)
-        else:
-            z = gather_rows(self.embed(first.dst_ids, first.dst_ts, blocks), first.root_index)
+        z = self.embed_roots(*link_roots(src, dst, neg_BQ, t), blocks)
         z_src, z_dst, z_neg = z[:b], z[b : 2 * b], z[2 * b :].view(b, q, z.shape[-1])
         return self.predictor.pairs(z_src, z_dst, z_neg)
+
+    def embed_roots(self, ids: torch.Tensor, ts: torch.Tensor, blocks: list) -> torch.Tensor:
+        """`embed` of the roots `blocks` were sampled for, each distinct (node, time) once
+        when the sampler deduplicated them (the first block's `root_index` maps each root to
+        its row; the gather's gradient sums the duplicates' rows)."""
+        first = first_block(blocks)
+        if first is None or first.root_index is None:
+            return self.embed(ids, ts, blocks)
+        return gather_rows(self.embed(first.dst_ids, first.dst_ts, blocks), first.root_index)
 
     # ---- node state (no-ops for stateless models) -----------------------------------------
 

@@ -26,7 +26,7 @@ if not os.environ.get("RAY_ADDRESS"):
 
 import ray  # noqa: E402
 
-__all__ = ["connect", "loopback_cluster", "until"]
+__all__ = ["connect", "local_resources", "loopback_cluster", "until"]
 
 log = logging.getLogger(__name__)
 
@@ -62,12 +62,18 @@ def connect(config) -> bool:
 
 
 def _local_resources(c) -> dict[str, int]:
-    """A local Ray's custom resources (see the module's docstring): plenty of each one the
-    run's trainers and shard actors ask for, in whole units as a node's are."""
+    """A local Ray's custom resources (see the module's docstring) for the run's trainers and
+    shard actors."""
     trainers = (getattr(c, "max_trainers", None) or c.trainers) + getattr(c, "spare_trainers", 0)
     shards = (getattr(c, "max_shards", None) or c.shards) * getattr(c, "shard_replicas", 1)
+    return local_resources([(trainers, c.trainer_resources), (shards, c.shard_resources)])
+
+
+def local_resources(asks) -> dict[str, int]:
+    """Plenty of each custom resource that `asks` ([(actors, resources each asks for)], at
+    most) name, in whole units as a node's are: a local Ray's (see the module's docstring)."""
     most: dict[str, float] = {}
-    for count, asked in ((trainers, c.trainer_resources), (shards, c.shard_resources)):
+    for count, asked in asks:
         for name, amount in asked.items():
             most[name] = most.get(name, 0) + count * amount
     return {k: max(_LOCAL_FLOOR, math.ceil(_LOCAL_PLENTY * v)) for k, v in most.items()}

@@ -209,11 +209,17 @@ class ServedState:
         if self.group.state_shards is None:
             return
         new = torch.tensor([num_nodes])
-        part = self.group.partitioner
-        placed = getattr(part, "map", None)
-        unplaced = placed is not None and (num_nodes >= placed.shape[0] or placed[num_nodes] < 0)
-        owner = 0 if unplaced else int(part.owner(new)[0])
+        owner = int(self.group.partitioner.owner(new)[0]) if bool(self._placed(new)[0]) else 0
         self.group.state_shards[owner].node_state.add_nodes(new)
+
+    def _placed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Whether each node has a partition: always, unless the partitioner places nodes
+        as they arrive (LDG) and has not placed it."""
+        placed = getattr(self.group.partitioner, "map", None)
+        if placed is None:
+            return torch.ones_like(ids, dtype=torch.bool)
+        inside = ids < placed.shape[0]
+        return inside & (placed[torch.where(inside, ids, 0)] >= 0)
 
     # ---- queries ---------------------------------------------------------------------------
 
@@ -234,11 +240,7 @@ class ServedState:
             except OverflowError:
                 raise QueryError(f"{field}: an id is out of the int64 range") from None
             dense, found = self.idmap.lookup(array)
-        found &= dense < self.num_nodes
-        placed = getattr(self.group.partitioner, "map", None)  # LDG: nodes placed so far
-        if placed is not None:
-            inside = dense < placed.shape[0]
-            found &= inside & (placed[torch.where(inside, dense, 0)] >= 0)
+        found &= (dense < self.num_nodes) & self._placed(dense)
         if self.group.state_shards is not None and bool(found.any()):  # a state row each
             owner = torch.full_like(dense, -1)
             owner[found] = self.group.partitioner.owner(dense[found])

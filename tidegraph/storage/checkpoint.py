@@ -31,6 +31,7 @@ Storage is a `pyarrow.fs` file system (local path, s3://, gs://).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import json
@@ -190,14 +191,11 @@ class CheckpointStore:
                            map_location=where)  # fmt: skip
         if not resolve:
             return state
-        return _map(state, None, self._host_tensor) if host else self.resolve(state)
+        return _map(state, None, functools.partial(self._tensor, host=host))
 
     def resolve(self, state):
         """`state` with its refs read back as tensors."""
         return _map(state, None, self._tensor)
-
-    def _host_tensor(self, ref: TensorRef) -> torch.Tensor:
-        return self._tensor(ref, host=True)
 
     def _tensor(self, ref: TensorRef, host: bool = False) -> torch.Tensor:
         data = bytearray().join(self._read(f"blobs/{key}") for key in ref.chunks)
@@ -232,16 +230,16 @@ class CheckpointStore:
         name, then a move): a listing that meets an entry gone between reading the directory
         and looking at the entry fails (pyarrow: "Cannot list directory", ENOENT) and is
         taken again (bounded)."""
-        where = f"{self.path}/{sub}".rstrip("/")
-        for attempt in range(20):
+        selector = pafs.FileSelector(f"{self.path}/{sub}".rstrip("/"), allow_not_found=True)
+        for attempt in range(1, 20):
             try:
-                infos = self.fs.get_file_info(pafs.FileSelector(where, allow_not_found=True))
-                return [i.path for i in infos if i.type == pafs.FileType.File]
+                infos = self.fs.get_file_info(selector)
+                break
             except FileNotFoundError:
-                if attempt == 19:
-                    raise
-                time.sleep(0.01 * (attempt + 1))
-        raise AssertionError("unreachable")
+                time.sleep(0.01 * attempt)
+        else:
+            infos = self.fs.get_file_info(selector)  # the 20th: its failure is the answer
+        return [i.path for i in infos if i.type == pafs.FileType.File]
 
     def _exists(self, name: str) -> bool:
         return self.fs.get_file_info(f"{self.path}/{name}").type != pafs.FileType.NotFound

@@ -25,9 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from tidegraph.comm.buckets import ring_bytes
-from tidegraph.models.base import TemporalModel, first_block, link_roots
+from tidegraph.models.base import TemporalModel, link_roots
 from tidegraph.models.config import build_model
-from tidegraph.ops import gather_rows
 from tidegraph.sampling.keyed import step_key
 from tidegraph.storage.cache import CachedFeatureStore
 from tidegraph.storage.checkpoint import compact, put_state
@@ -184,12 +183,7 @@ class TrainerCore:
         if self.model.training:
             self.model.eval()
         blocks, _, _ = self._inputs(ids, ts, None, self._start(None, ts), -1)
-        first = first_block(blocks)
-        if first is None or first.root_index is None:
-            z = self.model.embed(ids.to(self.device), ts.to(self.device), blocks)
-        else:  # each distinct (node, time) embedded once
-            z = gather_rows(self.model.embed(first.dst_ids, first.dst_ts, blocks),
-                            first.root_index)  # fmt: skip
+        z = self.model.embed_roots(ids.to(self.device), ts.to(self.device), blocks)
         self.model.discard()
         return z.float().cpu()
 
