@@ -110,12 +110,15 @@ def main() -> None:
     p.add_argument("--trainers", type=int, default=2)
     p.add_argument("--keep", type=int, default=0, help="--keep-checkpoints (0: the default)")
     p.add_argument("--label", default="", help="names the output (e.g. a commit)")
+    p.add_argument("--storage", default=None, help="keep the run directory here (default: a "
+                   "temporary one, deleted at the end)")  # fmt: skip
     args = p.parse_args()
     set_determinism(0, threads=1)
     ray.init(address="local", _node_ip_address="127.0.0.1", num_cpus=8,
              include_dashboard=False, configure_logging=False)  # fmt: skip
     rows = []
-    with tempfile.TemporaryDirectory(prefix="tidegraph-long-") as storage:
+    with tempfile.TemporaryDirectory(prefix="tidegraph-long-") as tmp:
+        storage = args.storage or tmp
         run_path = Path(storage) / "long"
         source = PowerLawSource(args.increments, args.events_per_increment, args.nodes)
         orch = Orchestrator(config(args, storage), run_dir=RunDir(storage, "long"), source=source)
@@ -136,7 +139,7 @@ def main() -> None:
                     wrapped = True
                     for obj, name, key in (
                         (learner, "ingest", "ingest"),
-                        (orch.run_dir, "save_checkpoint", "checkpoint"),
+                        (orch, "_checkpoint", "checkpoint"),  # the actors' chunks too
                     ):
                         fn = getattr(obj, name)
 

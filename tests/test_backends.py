@@ -1042,8 +1042,17 @@ def _write_csv(path: Path, events) -> None:
 def test_a_followed_directory_resumed_on_both_backends(ray_session, tmp_path, monkeypatch):
     """`--follow DIR` (its first file phase 1, each later one an increment, until none comes
     for `--follow-timeout`), then `--resume` once another file arrived: both backends end
-    with the same run (jodie, node state sharded by `cluster.memory_budget_mb`)."""
+    with the same run (jodie, node state sharded by `cluster.memory_budget_mb`). On Ray the
+    resumed driver reads none of the shards' and trainers' state: each actor reads its own."""
     monkeypatch.setattr(DirectorySource, "poll_interval", 0.02)
+    read_here: set[str] = set()  # chunks this process (the driver) read
+    tensor = CheckpointStore._tensor
+
+    def recorded(store, ref, *args, **kwargs):
+        read_here.update(ref.chunks)
+        return tensor(store, ref, *args, **kwargs)
+
+    monkeypatch.setattr(CheckpointStore, "_tensor", recorded)
     events = load_stream("wikipedia", EVENTS).events
     config = yaml_file(tmp_path / "run.yaml", FOLLOW_DIR_YAML)
     outs = {}
@@ -1056,12 +1065,31 @@ def test_a_followed_directory_resumed_on_both_backends(ray_session, tmp_path, mo
                 "--storage", str(tmp_path / backend), "--run-name", "follow"]  # fmt: skip
         assert job(args, backend) == 0
         _write_csv(inbox / "part-002.csv", events.select(slice(800, 1000)))
+        store = CheckpointStore.at(str(tmp_path / backend / "follow" / "checkpoints"))
+        saved = store.load(resolve=False)
+        group = saved["learner"]["group"]
+        bulk = _chunks_of(group["shards"], group["trainers"])
+        read_here.clear()
         assert job([*args, "--resume"], backend) == 0
+        assert bulk, "the checkpoint's shard and trainer states hold no refs"
+        if backend == "ray":
+            assert not bulk & read_here, "the driver read the actors' state"
+        else:  # in one process the pieces read their own state, here
+            assert bulk <= read_here
         outs[backend] = job_outcome(tmp_path / backend / "follow")
         rows = outs[backend]["records"]
         assert [r.get("events") for r in rows if r["phase"] == "increment"] == [200, 200]
         assert outs[backend]["summary"]["memory_placement"] == "sharded"
     assert_same_job(outs)
+
+
+def _chunks_of(*states) -> set[str]:
+    """Keys of the chunks the refs of `states` (a checkpoint loaded unresolved) name."""
+    from tidegraph.storage.checkpoint import TensorRef, _map
+
+    out: set[str] = set()
+    _map(list(states), None, lambda r: out.update(r.chunks) if isinstance(r, TensorRef) else None)
+    return out
 
 
 def test_a_followed_growing_file_on_both_backends(ray_session, tmp_path, monkeypatch):

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tidegraph.storage.checkpoint import CheckpointStore
 from tidegraph.storage.eventlog import EventLog
 from tidegraph.storage.events import EventBatch
 from tidegraph.storage.partition import PartitionTally, build_partitioner, partition_report
@@ -56,6 +57,43 @@ def test_the_reservoir_is_a_uniform_sample_and_resumes_bitwise():
         r.add(_events(4900, 9000))
     for x, y in zip(vars(a.events).values(), vars(b.events).values(), strict=True):
         assert (x is None and y is None) or torch.equal(x, y)
+
+
+def test_a_full_reservoir_checkpoints_its_replacements_not_itself(tmp_path):
+    """Once full, a checkpoint of the reservoir writes the replacements since the last one
+    (the patch grows at its end; the base is unchanged), not the reservoir again, except
+    when the patch is compacted into a new base; every checkpoint loads back bitwise and
+    goes on drawing as the reservoir that was never saved."""
+    cap = 50_000
+    store = CheckpointStore.at(str(tmp_path))
+    res = ReplayReservoir(cap, seed=3)
+    res.add(_events(0, cap))  # full: from here on replacements
+    size = sum(x.numel() * x.element_size() for x in vars(res.events).values() if x is not None)
+    compactions, lo = 0, cap
+    for i in range(40):
+        base = res.base
+        res.add(_events(lo, lo + 4000))
+        lo += 4000
+        store.save(store.put(res.state_dict()), f"c{i}", keep=2)
+        if i and res.base is base:  # the patch only grew: its new rows and a chunk's tail
+            assert store.last_written < size / 4, (i, store.last_written)
+        compactions += res.base is not base
+        back = ReplayReservoir(cap, seed=99)
+        back.load_state_dict(store.load(f"c{i}"))
+        for r in (res, back):
+            assert r.size == cap
+        for x, y in zip(vars(res.events).values(), vars(back.events).values(), strict=True):
+            assert (x is None and y is None) or torch.equal(x, y)
+        if i % 10 == 9:  # and goes on as the one never saved
+            twin = ReplayReservoir(cap, seed=3)
+            twin.load_state_dict(res.state_dict())
+            for r in (twin, back):
+                r.add(_events(lo, lo + 3000))
+            assert all(torch.equal(x, y) for x, y in zip(vars(twin.events).values(),
+                       vars(back.events).values(), strict=True) if x is not None)  # fmt: skip
+    # 40 x 4,000 events replace about cap * ln(210 / 50) = 72k slots: a compaction every
+    # capacity // 4 = 12,500 replacements, not one per checkpoint
+    assert 2 <= compactions <= 8, compactions
 
 
 def test_the_partition_tally_equals_the_report_over_every_event():

@@ -323,7 +323,13 @@ class Orchestrator:
         run resumes only with a source, and a run that followed none only without one."""
         if self.run_dir.latest_name() is None:
             return None
-        state = self.run_dir.load_checkpoint()
+        # all but the group's bulk (its shards' and trainers' states), which stays as refs
+        # for the actors to read where they can (`_restore`)
+        state = self.run_dir.load_checkpoint(resolve=False)
+        group = state["learner"]["group"]
+        bulk = {k: group.pop(k) for k in ("shards", "trainers")}
+        state = self.run_dir.checkpoints.resolve(state)
+        state["learner"]["group"].update(bulk)
         followed = state.get("source")
         if followed is not None and self.source is None:
             where = followed.get("path", "a live source")
@@ -381,7 +387,12 @@ class Orchestrator:
                 raise ValueError(f"--resume: the checkpoint's increments end at "
                                  f"{self.learner.end}, its log offset is "
                                  f"{state['log_offset']}")  # fmt: skip
-        self.learner.load_state_dict(state["learner"])
+        store = self._actor_store()  # None: the actors do not reach it, the driver reads
+        if store is None:
+            group = state["learner"]["group"]
+            bulk = {k: group[k] for k in ("shards", "trainers")}
+            group.update(self.run_dir.checkpoints.resolve(bulk))
+        self.learner.load_state_dict(state["learner"], store)
         history = self.learner.history
         out = self.config.out_dir
         if out:  # the metrics of increments after the checkpoint are made again

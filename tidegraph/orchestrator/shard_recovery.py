@@ -105,6 +105,11 @@ class ShardRecovery:
         for kind, what in ops:  # each actor runs its calls in order
             if kind == "ingest":
                 lo, hi, state = self.ingests[what]
+                if state is None:  # learned before the checkpoint this run resumed from
+                    raise RuntimeError(
+                        f"shard recovery: ingest {what} (events [{lo}, {hi})) is before the "
+                        "checkpoint this run resumed from, whose shards do not match the run"
+                    )
                 gen.set_state(state)
                 events = self.replay_source(lo, hi)
                 pieces = self._pieces(events, gen)

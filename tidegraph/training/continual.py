@@ -439,8 +439,10 @@ class ContinualLearner:
         place), where they can."""
         return {"orchestrator": self.orchestrator_state(), "group": self.group.state_dict(store)}
 
-    def load_state_dict(self, state: dict) -> None:
-        self.group.load_state_dict(state["group"])
+    def load_state_dict(self, state: dict, store: str | None = None) -> None:
+        """`store`: the group's shard and trainer states may hold refs to the checkpoint
+        store there (`CheckpointStore.load(resolve=False)`), read where they are loaded."""
+        self.group.load_state_dict(state["group"], store)
         self.load_orchestrator_state(state["orchestrator"])
 
     def orchestrator_state(self) -> dict:

@@ -293,12 +293,15 @@ class LocalGroup(GroupCore):
             "trainers": [t.state_dict() for t in self.trainers],
         }
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, store: str | None = None) -> None:
+        """`store`: the shards' and trainers' states may hold refs to the checkpoint store
+        there, read by each piece as it loads."""
         self._load_common_state(state)
+        method, args = ("load_state_dict", ()) if store is None else ("load_chunks", (store,))
         for shard, s in zip(self.shards, state["shards"], strict=True):
-            shard.load_state_dict(s)
+            getattr(shard, method)(s, *args)
         for trainer, s in zip(self.trainers, state["trainers"], strict=True):
-            trainer.load_state_dict(s)
+            getattr(trainer, method)(s, *args)
 
 
 def build_trainer(

@@ -67,13 +67,25 @@ class ReplayReservoir:
     one holds it). Until `capacity` events were added, slot i holds the i-th event added, so
     replay over the reservoir draws what replay over the whole history would. Its events are
     the driver's only copy of old events: replay and forgetting probes draw from it, and its
-    memory is bounded by `capacity` (32 bytes an event) whatever the length of the run."""
+    memory is bounded by `capacity` whatever the length of the run.
+
+    Its state is laid out for incremental checkpoints (`storage.checkpoint`, which writes a
+    chunk once): while filling, the events only grow at the end; once full, replacements
+    fall on random slots, which would change every chunk, so the state is a base (the events
+    as they were when the last compaction took place) and a patch, the replacements since
+    then (slot and event, one packed row each, in order), which only grows at the end. When
+    the patch reaches `capacity // 4` rows, the base is taken again and the patch emptied.
+    Memory: 32 bytes an event for the events, as much for the base once full, and at most 10
+    bytes an event for the patch."""
 
     def __init__(self, capacity: int, seed: int) -> None:
         self.capacity = capacity
         self.generator = torch.Generator().manual_seed(seed)
         self.events: EventBatch | None = None
         self.seen = 0  # events added so far
+        self.base: EventBatch | None = None  # the events at the last compaction (once full)
+        self._patch: list[torch.Tensor] = []  # packed rows (slot, event) since the base
+        self._patch_rows = 0
 
     @property
     def size(self) -> int:
@@ -99,25 +111,95 @@ class ReplayReservoir:
             last = torch.ones(order.numel(), dtype=torch.bool)
             last[:-1] = slot[order][1:] != slot[order][:-1]
             which, where = room + taken[order[last]], slot[order[last]]
-            for f in fields(EventBatch):
-                mine = getattr(self.events, f.name)
-                if mine is not None:
-                    mine[where] = getattr(events, f.name)[which]
+            self._replace(where, events.select(which))
         self.seen += n
+
+    def _replace(self, where: torch.Tensor, new: EventBatch) -> None:
+        """Slots `where` (distinct) take events `new`, recorded in the patch."""
+        if where.numel() == 0:
+            return
+        if self.base is None:  # the first replacement: the events so far are the base
+            self._compact()
+        for name, mine in _columns(self.events):
+            mine[where] = getattr(new, name)
+        self._patch.append(_pack([where, *(col for _, col in _columns(new))]))
+        self._patch_rows += int(where.numel())
+        if self._patch_rows >= self.capacity // 4:
+            self._compact()
+
+    def _compact(self) -> None:
+        """The events now become the base (never changed again: what `state_dict` returned
+        stays as it was) and replacements go to a copy; the patch is emptied."""
+        self.base = self.events
+        self.events = EventBatch(**{name: col.clone() for name, col in _columns(self.base)})
+        self._patch, self._patch_rows = [], 0
 
     def state_dict(self) -> dict:
         ev = self.events
+        if len(self._patch) > 1:  # one tensor: it grows at its end between checkpoints
+            self._patch = [torch.cat(self._patch)]
         return {"capacity": self.capacity, "seen": self.seen,
                 "generator": self.generator.get_state(),
-                "events": None if ev is None else {f.name: getattr(ev, f.name)
-                                                   for f in fields(EventBatch)}}  # fmt: skip
+                # while filling, the events themselves; once full, the base and the patch
+                "events": None if ev is None or self.base is not None else _fields(ev),
+                "base": None if self.base is None else dict(_columns(self.base)),
+                "patch": self._patch[0] if self._patch else None}  # fmt: skip
 
     def load_state_dict(self, state: dict) -> None:
         self.capacity, self.seen = state["capacity"], state["seen"]
         load_generator_state(self.generator, state["generator"], "replay reservoir")
-        ev = state["events"]
-        self.events = None if ev is None else EventBatch(
-            **{k: None if v is None else v.to("cpu").clone() for k, v in ev.items()})  # fmt: skip
+        base = state.get("base")
+        patch = state.get("patch")
+        self._patch = [] if patch is None else [patch.to("cpu").clone()]
+        self._patch_rows = 0 if patch is None else int(patch.shape[0])
+        if base is None:  # filling (or a checkpoint written before the patch)
+            ev = state["events"]
+            self.base = None
+            self.events = (
+                None
+                if ev is None
+                else EventBatch(
+                    **{k: None if v is None else v.to("cpu").clone() for k, v in ev.items()}
+                )
+            )
+            return
+        self.base = EventBatch(**{k: base[k].to("cpu").clone() for k in _COLUMNS})
+        self.events = EventBatch(**{name: col.clone() for name, col in _columns(self.base)})
+        if patch is not None:
+            dtypes = [torch.int64] + [col.dtype for _, col in _columns(self.base)]
+            slot, *values = _unpack(self._patch[0], dtypes)
+            latest = torch.full((self.capacity,), -1, dtype=torch.int64)  # the last row wins
+            latest.scatter_reduce_(0, slot, torch.arange(slot.numel()), reduce="amax")
+            where = (latest >= 0).nonzero().squeeze(1)
+            for (_, mine), col in zip(_columns(self.events), values, strict=True):
+                mine[where] = col[latest[where]]
+
+
+_COLUMNS = ("src", "dst", "t", "eid")  # which event: all the reservoir keeps
+
+
+def _columns(ev: EventBatch) -> list[tuple[str, torch.Tensor]]:
+    return [(name, getattr(ev, name)) for name in _COLUMNS]
+
+
+def _fields(ev: EventBatch) -> dict:
+    return {f.name: getattr(ev, f.name) for f in fields(EventBatch)}
+
+
+def _pack(cols: list[torch.Tensor]) -> torch.Tensor:
+    """Rows [n, bytes]: the bytes of each 1-D column's row side by side."""
+    n = cols[0].numel()
+    return torch.cat([c.contiguous().view(torch.uint8).reshape(n, -1) for c in cols], 1)
+
+
+def _unpack(rows: torch.Tensor, dtypes: list[torch.dtype]) -> list[torch.Tensor]:
+    """The columns `_pack` packed, given their dtypes."""
+    out, at = [], 0
+    for dtype in dtypes:
+        width = torch.empty(0, dtype=dtype).element_size()
+        out.append(rows[:, at : at + width].contiguous().view(dtype).reshape(-1))
+        at += width
+    return out
 
 
 class UniformReplay:

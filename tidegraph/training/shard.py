@@ -28,7 +28,7 @@ import torch
 from tidegraph.comm.quantize import quantize_rows
 from tidegraph.sampling.block import Block
 from tidegraph.sampling.sampler import TemporalSampler
-from tidegraph.storage.checkpoint import put_state
+from tidegraph.storage.checkpoint import CheckpointStore, put_state
 from tidegraph.storage.events import EventBatch
 from tidegraph.storage.features import EncodedRows, HostFeatureStore, decode, encode
 from tidegraph.storage.graph import DynamicGraph
@@ -282,6 +282,11 @@ class ShardCore:
             "num_events": self.num_events,
             "node_state": None if self.node_state is None else self.node_state.state_dict(),
         }
+
+    def load_chunks(self, state: dict, store: str) -> None:
+        """`load_state_dict` of a state whose large tensors are refs to the checkpoint store
+        at `store` (read here, where they are held: not through the driver)."""
+        self.load_state_dict(CheckpointStore.at(store).resolve(state))
 
     def load_state_dict(self, state: dict) -> None:
         if (state["part"], state["num_parts"]) != (self.part, self.num_parts):

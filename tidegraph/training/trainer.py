@@ -29,7 +29,7 @@ from tidegraph.models.base import TemporalModel, link_roots
 from tidegraph.models.config import build_model
 from tidegraph.sampling.keyed import step_key
 from tidegraph.storage.cache import CachedFeatureStore
-from tidegraph.storage.checkpoint import compact, put_state
+from tidegraph.storage.checkpoint import CheckpointStore, compact, put_state
 from tidegraph.storage.events import EventBatch
 from tidegraph.timeline import Tracer, payload_bytes
 from tidegraph.training.fetch import flat_blocks, join_edge_features
@@ -458,6 +458,11 @@ class TrainerCore:
             "features": None if cache is None else cache.store.state_dict(),
             "comm": sync.state_dict() if hasattr(sync, "state_dict") else sync,
         }
+
+    def load_chunks(self, state: dict, store: str) -> None:
+        """`load_state_dict` of a state whose large tensors are refs to the checkpoint store
+        at `store` (read here, where they are held: not through the driver)."""
+        self.load_state_dict(CheckpointStore.at(store).resolve(state))
 
     def load_state_dict(self, state: dict) -> None:
         params = self._param_ids()
