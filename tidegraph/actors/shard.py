@@ -20,7 +20,6 @@ import ray
 
 from tidegraph.actors.segments import SegmentPublisher
 from tidegraph.runtime import set_determinism
-from tidegraph.storage.checkpoint import CheckpointStore
 from tidegraph.timeline import wall_us
 from tidegraph.training.shard import ShardCore
 
@@ -86,8 +85,8 @@ class _Host:
         empty; its report."""
         core = _Part(*args, **kwargs)
         if state is not None and store is not None:
-            state = CheckpointStore.at(store).resolve(state)
-        if state is not None:
+            core.load_chunks(state, store)
+        elif state is not None:
             core.load_state_dict(state)
         self.cores[p] = core
         return core.report()

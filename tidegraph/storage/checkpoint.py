@@ -50,8 +50,10 @@ __all__ = [
     "CheckpointStore",
     "TensorRef",
     "compact",
+    "pack_rows",
     "put_state",
     "read_file",
+    "unpack_rows",
     "write_file",
 ]
 
@@ -86,17 +88,19 @@ class CheckpointStore:
 
     # ---- writing ------------------------------------------------------------------------------
 
-    def put(self, state):
-        """`state` with every tensor of `INLINE` bytes or more written as chunks (those the
+    def put(self, state, inline: int = INLINE):
+        """`state` with every tensor of `inline` bytes or more written as chunks (those the
         store lacks) and replaced by its `TensorRef`; any process that reaches the store may
-        call it (an actor puts its own state, and the driver saves the refs it returns)."""
-        return self._put(state, self._blobs())
+        call it (an actor puts its own state, and the driver saves the refs it returns).
+        `inline=0`: every tensor as chunks (what later checkpoints reference, however small,
+        and should not carry inline in every manifest)."""
+        return self._put(state, self._blobs(), inline)
 
     def _blobs(self) -> set[str]:
         """Names of the files in blobs/ (one listing)."""
         return {p.rsplit("/", 1)[-1] for p in self._list("blobs")}
 
-    def _put(self, state, have: set[str]):
+    def _put(self, state, have: set[str], inline: int = INLINE):
         """`put`, with `have` the chunks the store holds (the new ones are added to it)."""
 
         def put(t: torch.Tensor) -> TensorRef:
@@ -112,7 +116,7 @@ class CheckpointStore:
             return TensorRef(str(t.dtype).removeprefix("torch."), tuple(t.shape), str(t.device),
                              tuple(keys))  # fmt: skip
 
-        return _map(state, lambda t: put(t) if _chunked(t) else _own(t))
+        return _map(state, lambda t: put(t) if _chunked(t, inline) else _own(t))
 
     def save(self, state, tag: str, keep: int | None = None, meta: dict | None = None) -> None:
         """Write `state` (tensors, or refs `put` returned) as checkpoint `tag` (replacing one
@@ -266,9 +270,9 @@ def read_file(fs: pafs.FileSystem, path: str) -> bytes:
         return f.read()
 
 
-def put_state(uri: str, state):
-    """`CheckpointStore.at(uri).put(state)`: what an actor returns for a checkpoint."""
-    return CheckpointStore.at(uri).put(state)
+def put_state(uri: str, state, inline: int = INLINE):
+    """`CheckpointStore.at(uri).put(state, inline)`: what an actor returns for a checkpoint."""
+    return CheckpointStore.at(uri).put(state, inline)
 
 
 def compact(state):
@@ -285,10 +289,27 @@ def _own(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _chunked(t: torch.Tensor) -> bool:
-    """Whether tensor `t` is stored as chunks (large, dense, plain)."""
+def _chunked(t: torch.Tensor, inline: int = INLINE) -> bool:
+    """Whether tensor `t` is stored as chunks (`inline` bytes or more, dense, plain)."""
     return (t.layout == torch.strided and not t.is_quantized and not t.is_complex()
-            and t.numel() * t.element_size() >= INLINE)  # fmt: skip
+            and t.numel() * t.element_size() >= inline)  # fmt: skip
+
+
+def pack_rows(cols: list[torch.Tensor]) -> torch.Tensor:
+    """Rows [n, bytes]: the bytes of the 1-D columns' rows side by side (a table that grows
+    at its end as one tensor: one chunk's tail rewritten per checkpoint, not one per column)."""
+    n = cols[0].numel()
+    return torch.cat([c.contiguous().view(torch.uint8).reshape(n, -1) for c in cols], 1)
+
+
+def unpack_rows(rows: torch.Tensor, dtypes: list[torch.dtype]) -> list[torch.Tensor]:
+    """The columns `pack_rows` packed, given their dtypes."""
+    out, at = [], 0
+    for dtype in dtypes:
+        width = torch.empty(0, dtype=dtype).element_size()
+        out.append(rows[:, at : at + width].contiguous().view(dtype).reshape(-1))
+        at += width
+    return out
 
 
 def _bytes(t: torch.Tensor) -> memoryview:

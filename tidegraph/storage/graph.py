@@ -10,6 +10,15 @@ index node-feature and memory tables); times are float64 (int64 seconds are exac
 `num_edges` counts inserted events, and with `add_reverse` each event is stored twice (from src
 and from dst, with the same eid), which `num_stored_edges` counts.
 
+State (`state_dict`) is the segments as they are, or (`piece_state`), for checkpoints that
+reference what earlier ones wrote, pieces: the edges added between two checkpoints, each
+written once and never again, whatever merges the segments go through later (merges rewrite
+O(log E) of the graph per batch, which a checkpoint of the segments would rewrite with them).
+Loading pieces builds each added batch's segment again (its edges: those of eids in its span)
+and merges them as adding them did, so the segments come back bitwise. This needs each batch's
+eids above those of the batches before it (`ordered`; stream positions are); otherwise only
+the segments are state.
+
 Placement: "cpu" and "cuda" keep every segment on that device. "pinned" keeps segments in pinned
 host memory and queries them with CUDA kernels through zero-copy views (`uva_view`): the graph
 can outgrow GPU memory while sampling still runs on the GPU, reading host memory over the bus.
@@ -24,6 +33,7 @@ import math
 import numpy as np
 import torch
 
+from tidegraph.storage.checkpoint import pack_rows, unpack_rows
 from tidegraph.storage.idmap import check_ids
 from tidegraph.storage.segment import Segment
 from tidegraph.storage.uva import uva_view
@@ -51,6 +61,9 @@ class DynamicGraph:
         self.num_nodes = 0
         self.num_edges = 0
         self._next_eid = 0
+        # [lo, hi) of each added batch's eids, oldest first, while each batch's eids are all
+        # above the batches' before it (None once one was not: pieces are then not state)
+        self.spans: list[tuple[int, int]] | None = []
 
     @property
     def device(self) -> torch.device:
@@ -100,10 +113,19 @@ class DynamicGraph:
             node, nbr = src, dst
         segment = self._place(Segment.build(node, nbr, t, eid))
         num_nodes = max(self.num_nodes, int(torch.maximum(src.max(), dst.max())) + 1)
-        next_eid = max(self._next_eid, int(eid.max()) + 1)
+        span = (int(eid.min()), int(eid.max()) + 1)
+        next_eid = max(self._next_eid, span[1])
         # commit point: nothing above changed the graph, nothing below can leave it half-updated
-        self.segments.append(segment)
+        self._append(segment, span)
         self.num_nodes, self.num_edges, self._next_eid = num_nodes, self.num_edges + n, next_eid
+
+    def _append(self, segment: Segment, span: tuple[int, int]) -> None:
+        """A batch's segment (its eids in `span`), merged as the counter says."""
+        self.segments.append(segment)
+        if self.spans is not None and (not self.spans or span[0] >= self.spans[-1][1]):
+            self.spans.append(span)
+        else:
+            self.spans = None
         try:
             self._compact()
         except (MemoryError, torch.OutOfMemoryError) as exc:  # the batch is stored; merge later
@@ -173,6 +195,7 @@ class DynamicGraph:
             # allocator: let queued ones finish before their memory can be handed out again
             torch.cuda.current_stream(self.device).synchronize()
         self.segments = kept
+        self.spans = None  # the pieces would bring the dropped edges back
         dropped = before - self.num_stored_edges
         log.info("offloaded %d stored edges older than t=%s", dropped, t)
         return dropped
@@ -195,12 +218,49 @@ class DynamicGraph:
 
     # ---- state ----------------------------------------------------------------------------
 
+    @property
+    def ordered(self) -> bool:
+        """Whether the graph's state can be pieces (see the module's docstring)."""
+        return self.spans is not None
+
+    @property
+    def eid_end(self) -> int:
+        """One past the eids of the batches added so far (0: none)."""
+        return self.spans[-1][1] if self.spans else 0
+
+    def rows_since(self, lo: int) -> torch.Tensor:
+        """The edges of eid `lo` and above (the batches added since the one that ended at
+        `lo`), a piece: rows of (node, nbr, t, eid) packed by `pack_rows`, on the host."""
+        parts = []
+        for seg in self.segments:  # each batch lies in one segment, its edges in their order
+            seg = seg.host if seg.host is not None else seg
+            keep = (seg.eid >= lo).nonzero().squeeze(1)
+            if keep.numel():
+                cols = (seg.expanded_nodes(), seg.nbr.long(), seg.t, seg.eid)
+                parts.append(pack_rows([c.index_select(0, keep).cpu() for c in cols]))
+        return torch.cat(parts) if parts else torch.empty(0, 32, dtype=torch.uint8)
+
+    def piece_state(self, pieces: list) -> dict:
+        """The state as `pieces` (every `rows_since` from 0 to `eid_end`, in order, or refs
+        to them in a checkpoint store)."""
+        if self.spans is None:
+            raise ValueError("DynamicGraph.piece_state: batches were not added in eid order")
+        return {
+            "add_reverse": self.add_reverse,
+            "num_nodes": self.num_nodes,
+            "num_edges": self.num_edges,
+            "next_eid": self._next_eid,
+            "spans": torch.tensor(self.spans, dtype=torch.int64).reshape(-1, 2),
+            "pieces": list(pieces),
+        }
+
     def state_dict(self) -> dict:
         return {
             "add_reverse": self.add_reverse,
             "num_nodes": self.num_nodes,
             "num_edges": self.num_edges,
             "next_eid": self._next_eid,
+            "spans": None if self.spans is None else torch.tensor(self.spans).reshape(-1, 2),
             "segments": [s.state_dict() for s in self.segments],
         }
 
@@ -209,11 +269,39 @@ class DynamicGraph:
         self.num_nodes = state["num_nodes"]
         self.num_edges = state["num_edges"]
         self._next_eid = state["next_eid"]
+        spans = state.get("spans")  # none in state written before pieces: not ordered
+        spans = None if spans is None else [tuple(x) for x in spans.tolist()]
+        if "pieces" in state:
+            self._load_pieces(state["pieces"], spans)
+            return
+        self.spans = spans
         # pinned: straight to host memory, never through the GPU (the graph may not fit there)
         where = "cpu" if self.placement == "pinned" else self.device
         self.segments = [
             self._place(Segment.from_state_dict(s).to(where)) for s in state["segments"]
         ]
+
+    def _load_pieces(self, pieces: list, spans: list[tuple[int, int]]) -> None:
+        """The segments again from pieces: each batch's edges (those of eids in its span)
+        built into its segment, added and merged in order as `add_edges` did."""
+        rows = torch.cat(pieces) if pieces else torch.empty(0, 32, dtype=torch.uint8)
+        node, nbr, t, eid = unpack_rows(rows, [torch.int64, torch.int64, torch.float64,
+                                               torch.int64])  # fmt: skip
+        los = torch.tensor([lo for lo, _ in spans], dtype=torch.int64)
+        batch = torch.searchsorted(los, eid, right=True) - 1
+        counts = torch.bincount(batch.clamp(min=0), minlength=len(spans))
+        his = torch.tensor([hi for _, hi in spans], dtype=torch.int64)
+        stored = self.num_edges * (2 if self.add_reverse else 1)
+        if rows.shape[0] != stored or bool((batch < 0).any() | (eid >= his[batch]).any()):
+            raise ValueError(f"graph state: its pieces hold {rows.shape[0]} edges, not the "
+                             f"{stored} of its {len(spans)} batches' spans")  # fmt: skip
+        order = torch.argsort(batch, stable=True)  # a batch's edges keep their order
+        where = "cpu" if self.placement == "pinned" else self.device
+        self.segments, self.spans = [], []
+        sizes = counts.tolist()
+        cols = [x.index_select(0, order).to(where).split(sizes) for x in (node, nbr, t, eid)]
+        for i, span in enumerate(spans):
+            self._append(self._place(Segment.build(*(c[i] for c in cols))), span)
 
 
 def _as_tensor(x, name: str, device: torch.device) -> torch.Tensor:

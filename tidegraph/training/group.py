@@ -285,12 +285,14 @@ class LocalGroup(GroupCore):
         return True
 
     def state_dict(self, store: str | None = None) -> dict:
-        """Every piece's state (`store`: unused; in one process the checkpoint store takes
-        the tensors from here)."""
+        """Every piece's state; `store` (a checkpoint store's URI): each piece writes its
+        large tensors there and gives refs, as the actors of a Ray group do (the graph as
+        pieces written once: `ShardCore.state_chunks`)."""
+        method, args = ("state_dict", ()) if store is None else ("state_chunks", (store,))
         return {
             **self._common_state(),
-            "shards": [s.state_dict() for s in self.shards],
-            "trainers": [t.state_dict() for t in self.trainers],
+            "shards": [getattr(s, method)(*args) for s in self.shards],
+            "trainers": [getattr(t, method)(*args) for t in self.trainers],
         }
 
     def load_state_dict(self, state: dict, store: str | None = None) -> None:

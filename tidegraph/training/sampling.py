@@ -23,6 +23,7 @@ from dataclasses import fields
 import torch
 
 from tidegraph.rng import load_generator_state
+from tidegraph.storage.checkpoint import pack_rows, unpack_rows
 from tidegraph.storage.events import EventBatch
 
 __all__ = [
@@ -122,7 +123,7 @@ class ReplayReservoir:
             self._compact()
         for name, mine in _columns(self.events):
             mine[where] = getattr(new, name)
-        self._patch.append(_pack([where, *(col for _, col in _columns(new))]))
+        self._patch.append(pack_rows([where, *(col for _, col in _columns(new))]))
         self._patch_rows += int(where.numel())
         if self._patch_rows >= self.capacity // 4:
             self._compact()
@@ -167,7 +168,7 @@ class ReplayReservoir:
         self.events = EventBatch(**{name: col.clone() for name, col in _columns(self.base)})
         if patch is not None:
             dtypes = [torch.int64] + [col.dtype for _, col in _columns(self.base)]
-            slot, *values = _unpack(self._patch[0], dtypes)
+            slot, *values = unpack_rows(self._patch[0], dtypes)
             latest = torch.full((self.capacity,), -1, dtype=torch.int64)  # the last row wins
             latest.scatter_reduce_(0, slot, torch.arange(slot.numel()), reduce="amax")
             where = (latest >= 0).nonzero().squeeze(1)
@@ -184,22 +185,6 @@ def _columns(ev: EventBatch) -> list[tuple[str, torch.Tensor]]:
 
 def _fields(ev: EventBatch) -> dict:
     return {f.name: getattr(ev, f.name) for f in fields(EventBatch)}
-
-
-def _pack(cols: list[torch.Tensor]) -> torch.Tensor:
-    """Rows [n, bytes]: the bytes of each 1-D column's row side by side."""
-    n = cols[0].numel()
-    return torch.cat([c.contiguous().view(torch.uint8).reshape(n, -1) for c in cols], 1)
-
-
-def _unpack(rows: torch.Tensor, dtypes: list[torch.dtype]) -> list[torch.Tensor]:
-    """The columns `_pack` packed, given their dtypes."""
-    out, at = [], 0
-    for dtype in dtypes:
-        width = torch.empty(0, dtype=dtype).element_size()
-        out.append(rows[:, at : at + width].contiguous().view(dtype).reshape(-1))
-        at += width
-    return out
 
 
 class UniformReplay:

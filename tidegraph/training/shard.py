@@ -28,7 +28,7 @@ import torch
 from tidegraph.comm.quantize import quantize_rows
 from tidegraph.sampling.block import Block
 from tidegraph.sampling.sampler import TemporalSampler
-from tidegraph.storage.checkpoint import CheckpointStore, put_state
+from tidegraph.storage.checkpoint import CheckpointStore, TensorRef, put_state
 from tidegraph.storage.events import EventBatch
 from tidegraph.storage.features import EncodedRows, HostFeatureStore, decode, encode
 from tidegraph.storage.graph import DynamicGraph
@@ -159,6 +159,8 @@ class ShardCore:
         self.part = part
         self.num_parts = num_parts
         self.graph = DynamicGraph(device=graph_device, add_reverse=False)
+        # (store, refs of the graph's pieces written there, the eid they end at)
+        self._pieces: tuple[str, list, int] | None = None
         # fanouts are per request; this sampler answers one hop at a time
         self.sampler = TemporalSampler(self.graph, (1,), strategy, seed=seed)
         self.features = None
@@ -269,8 +271,30 @@ class ShardCore:
 
     def state_chunks(self, store: str) -> dict:
         """`state_dict()` with its large tensors written to the checkpoint store at `store`
-        and refs in their place: a checkpoint's bulk written where it is held."""
-        return put_state(store, self.state_dict())
+        and refs in their place: a checkpoint's bulk written where it is held. The graph is
+        its pieces (`DynamicGraph.piece_state`): those written to this store before, by
+        reference, and one of the edges added since, so no edge is written twice however
+        the segments merge."""
+        state = self.state_dict()
+        if self.graph.ordered:
+            held_store, pieces, end = self._pieces or (store, [], 0)
+            if held_store != store:  # another store: it holds none of them
+                pieces, end = [], 0
+            if self.graph.eid_end > end:
+                new = self.graph.rows_since(end)
+                pieces = [*pieces, put_state(store, new, inline=0)]
+            self._pieces = (store, pieces, self.graph.eid_end)
+            state["graph"] = self.graph.piece_state(pieces)
+        return put_state(store, state)
+
+    def load_chunks(self, state: dict, store: str) -> None:
+        """`load_state_dict` of a state whose large tensors are refs to the checkpoint store
+        at `store` (read here, where they are held: not through the driver); the graph's
+        pieces are kept by reference for the next checkpoints to that store."""
+        self.load_state_dict(CheckpointStore.at(store).resolve(state))
+        pieces = state["graph"].get("pieces")
+        if pieces is not None and all(isinstance(p, TensorRef) for p in pieces):
+            self._pieces = (store, list(pieces), self.graph.eid_end)
 
     def state_dict(self) -> dict:
         return {
@@ -282,11 +306,6 @@ class ShardCore:
             "num_events": self.num_events,
             "node_state": None if self.node_state is None else self.node_state.state_dict(),
         }
-
-    def load_chunks(self, state: dict, store: str) -> None:
-        """`load_state_dict` of a state whose large tensors are refs to the checkpoint store
-        at `store` (read here, where they are held: not through the driver)."""
-        self.load_state_dict(CheckpointStore.at(store).resolve(state))
 
     def load_state_dict(self, state: dict) -> None:
         if (state["part"], state["num_parts"]) != (self.part, self.num_parts):
