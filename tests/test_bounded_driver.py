@@ -122,6 +122,49 @@ def _config(**continual) -> RunConfig:
     return RunConfig.from_dict(raw)
 
 
+@pytest.mark.parametrize(
+    "model,memory",
+    [("tgn", "replicated"), ("jodie", "sharded"), ("apan", "replicated"), ("apan", "sharded")],
+)
+def test_the_node_state_rows_a_model_reports_unchanged_are_unchanged(model, memory):
+    """What a checkpoint leaves out of node state (`take_changed`: the rows changed since
+    the last one; `DeltaTables` writes only those) is exactly what did not change over an
+    increment: every row left out is bitwise as it was, on trainers (replicated) and on
+    shards (sharded), and rows are left out (on this small sample an increment touches
+    most of its nodes)."""
+    raw = {**SMALL, "model": {**SMALL["model"], "name": model},
+           "continual": {**SMALL["continual"], "num_increments": 3},
+           "cluster": {"memory": memory, "shards": 2}}  # fmt: skip
+    learner = ContinualLearner(RunConfig.from_dict(raw), load_stream("wikipedia", 3000))
+    learner.run_phase1()
+    group = learner.group
+    holders = ([s.node_state.model for s in group.shards] if memory == "sharded"
+               else [t.model for t in group.trainers])  # fmt: skip
+    for m in holders:
+        m.take_changed()  # tracking from here
+    before = [{k: v.clone() for k, v in m.state_tables().items()} for m in holders]
+
+    def check() -> int:  # after every unit: the rows not marked are the rows as they were
+        left_out = 0
+        for m, old in zip(holders, before, strict=True):
+            changed = (m.memory if model != "apan" else m).changed  # a look, not a take
+            assert changed is not None
+            for name, table in m.state_tables().items():
+                rows = (~changed[: old[name].shape[0]]).nonzero().squeeze(1)
+                a, b = table[rows].view(torch.uint8), old[name][rows].view(torch.uint8)
+                assert torch.equal(a, b), (name, learner.schedule.unit(learner.cursor.unit - 1))
+            left_out += int((~changed).sum())
+        return left_out
+
+    increment = learner.cursor.increment
+    for _ in range(1000):  # the increment's units, one by one (bounded)
+        learner.run_unit(learner.schedule.unit(learner.cursor.unit))
+        left_out = check()
+        if learner.cursor.increment != increment:
+            break
+    assert left_out > 0.1 * sum(int(m.take_changed().numel()) for m in holders)
+
+
 def test_replay_draws_from_the_history_itself_while_it_fits():
     """What replay and forgetting probes draw from, while the history fits the reservoir, is
     the stream's events before the increment, bitwise: the draws of a learner that keeps

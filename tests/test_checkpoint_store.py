@@ -14,7 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from tidegraph.storage.checkpoint import CHUNK, INLINE, CheckpointStore, compact
+from tidegraph.storage.checkpoint import (
+    CHUNK,
+    INLINE,
+    CheckpointStore,
+    DeltaTables,
+    RowDelta,
+    compact,
+)
 
 
 def _same(a, b) -> None:
@@ -143,6 +150,52 @@ def test_a_listing_that_meets_a_directory_being_made_is_taken_again(tmp_path, mo
 
     monkeypatch.setattr(store, "fs", type("FS", (), {"get_file_info": staticmethod(flaky)}))
     assert len(store._list("blobs")) >= 1 and failures == [0]
+
+
+def test_tables_written_as_changed_rows_load_back_bitwise(tmp_path):
+    """A node-state table written through `DeltaTables`: each checkpoint writes the rows
+    changed since the last (a patch) over its base and earlier patches, by reference; it
+    grows, loads back bitwise under retention, is written whole again when its patches would
+    exceed half of it or its changes are unknown, and a float64 column keeps NaN and -0.0."""
+    uri = str(tmp_path)
+    store, deltas = CheckpointStore.at(uri), DeltaTables()
+    gen = torch.Generator().manual_seed(0)
+    table = torch.randn(40_000, 8, generator=gen)
+    times = torch.zeros(40_000, dtype=torch.float64)
+    times[:2] = torch.tensor([float("nan"), -0.0])
+    changed, kinds = None, []
+    for i in range(12):
+        state = {"memory": deltas.put(uri, "memory", table, changed),
+                 "t": deltas.put(uri, "t", times, changed)}  # fmt: skip
+        store.save(state, f"c{i}", keep=2)
+        kinds.append(type(state["memory"]).__name__)
+        if isinstance(state["memory"], RowDelta):  # the patch: 2,000 rows of 48 bytes
+            assert store.last_written < 200_000, (i, store.last_written)
+        back = store.load(f"c{i}")
+        assert torch.equal(back["memory"], table) and back["memory"].shape == table.shape
+        assert torch.equal(back["t"].view(torch.int64), times.view(torch.int64))  # bitwise
+        changed = torch.zeros(table.shape[0], dtype=torch.bool)
+        rows = torch.randint(0, table.shape[0], (2000,), generator=gen)
+        table[rows] += 1.0
+        times[rows] = float(i + 1)
+        changed[rows] = True
+        if i == 5:  # new nodes: the table grows, its new rows changed
+            table = torch.cat([table, torch.randn(500, 8, generator=gen)])
+            times = torch.cat([times, torch.full((500,), -1.0, dtype=torch.float64)])
+            changed = torch.cat([changed, torch.ones(500, dtype=torch.bool)])
+    # whole at first, patches after; whole again once the patches pass half the table
+    assert kinds[0] == "TensorRef" and kinds[1:4] == ["RowDelta"] * 3
+    assert "TensorRef" in kinds[5:], kinds
+    # unknown changes (a load) and another store: written whole
+    assert isinstance(deltas.put(uri, "memory", table, None), type(store.put(table)))
+    other = str(tmp_path / "other")
+    assert not isinstance(deltas.put(other, "memory", table, changed), RowDelta)
+    # rows of no bytes (edge features of a stream without any), whole and as a patch
+    empty = torch.zeros(300, 0)
+    state = {"feat": deltas.put(uri, "feat", empty, None)}
+    state["later"] = deltas.put(uri, "feat", empty, torch.ones(300, dtype=torch.bool))
+    store.save(state, "empty")
+    assert all(x.shape == (300, 0) for x in store.load("empty").values())
 
 
 def test_compact_gives_views_their_own_storage():

@@ -133,6 +133,11 @@ class TemporalModel(nn.Module):
         """Live node-state tables, one row per node (no copies)."""
         return {}
 
+    def take_changed(self) -> torch.Tensor | None:
+        """A bool mask of the rows of `state_tables` changed since the last call (None:
+        unknown), for checkpoints that write only those (`storage.checkpoint.DeltaTables`)."""
+        return None
+
     def state_ids(self, roots: torch.Tensor, blocks: list) -> torch.Tensor:
         """Sorted distinct node ids whose state a forward pass over these blocks reads."""
         from tidegraph.training.fetch import flat_blocks
@@ -175,3 +180,22 @@ def link_roots(
     roots = torch.cat([src, dst, neg_BQ.flatten()])
     ts = torch.cat([t, t, t.repeat_interleave(q)])
     return roots, ts
+
+
+def mark_replaced(changed: torch.Tensor | None, old: dict, new: dict) -> torch.Tensor | None:
+    """`changed` (a bool mask of the rows of node-state tables `old` changed since it was
+    taken, None: unknown) once tables `new` replace them: also the rows whose bytes differ,
+    or None when a table changes shape (a restored snapshot keeps what it did not change)."""
+    if changed is None:
+        return None
+    for name, table in new.items():
+        before = old[name]
+        if table is before:
+            continue
+        if table.shape != before.shape or table.dtype != before.dtype:
+            return None
+        if table.numel():
+            a = before.contiguous().view(torch.uint8).reshape(before.shape[0], -1)
+            b = table.to(before.device).contiguous().view(torch.uint8).reshape(a.shape)
+            changed = changed | (a != b).any(1)
+    return changed

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tidegraph.models.base import mark_replaced
 from tidegraph.models.time_encoding import TimeEncoder
 from tidegraph.ops import gather_rows, latest_rows
 
@@ -51,6 +52,8 @@ class TGNMemory(nn.Module):
         self.updater = _CELLS[cell](2 * memory_dim + time_dim + edge_dim, memory_dim)
         self.row_index = None  # None: tables are indexed by node id
         self._alloc(num_nodes)
+        # rows of the tables changed since `take_changed` (None: unknown, e.g. after a load)
+        self.changed: torch.Tensor | None = None
 
     def _r(self, ids: torch.Tensor) -> torch.Tensor:
         return ids if self.row_index is None else self.row_index(ids)
@@ -61,9 +64,21 @@ class TGNMemory(nn.Module):
 
     def load_compact(self, row_index, tables: dict[str, torch.Tensor]) -> None:
         """Use `tables` (rows of some nodes) through `row_index` from now on."""
+        self.changed = mark_replaced(self.changed, self.tables(), tables)
         for k in _TABLES:
             setattr(self, k, tables[k])
         self.row_index = row_index
+
+    def take_changed(self) -> torch.Tensor | None:
+        """A bool mask of the table rows changed since the last call (None: unknown), for
+        checkpoints that write only those rows (`storage.checkpoint.DeltaTables`)."""
+        out = self.changed
+        self.changed = torch.zeros(self.num_nodes, dtype=torch.bool, device=self.memory.device)
+        return out
+
+    def _mark(self, rows: torch.Tensor) -> None:
+        if self.changed is not None:
+            self.changed.index_fill_(0, rows, True)
 
     def _alloc(self, n: int, device: torch.device | None = None) -> None:
         f64 = dict(dtype=torch.float64, device=device)
@@ -87,11 +102,14 @@ class TGNMemory(nn.Module):
             old = getattr(self, name)
             pad = old.new_zeros((extra,) + tuple(old.shape[1:]))
             setattr(self, name, torch.cat([old, pad]))
+        if self.changed is not None:
+            self.changed = torch.cat([self.changed, self.changed.new_ones(extra)])
 
     def reset(self) -> None:
         """Empty memory and messages (start of an epoch over the stream)."""
         for name in ("memory", "last_update", "has_msg", "msg_other", "msg_t", "msg_feat"):
             getattr(self, name).zero_()
+        self.changed = None
 
     # ---- per batch ------------------------------------------------------------------------
 
@@ -122,7 +140,13 @@ class TGNMemory(nn.Module):
     def commit(self, ids: torch.Tensor, mem: torch.Tensor, last: torch.Tensor) -> None:
         """Write back what `updated(ids)` returned; `ids` must be unique."""
         loc = self._r(ids)
-        self.memory.index_copy_(0, loc, mem.detach().to(self.memory.dtype))
+        mem = mem.detach().to(self.memory.dtype)
+        if self.changed is not None:  # rows whose values change (not every row written)
+            moved = self.has_msg.index_select(0, loc)
+            moved |= (self.memory.index_select(0, loc) != mem).any(1)
+            moved |= self.last_update.index_select(0, loc) != last
+            self._mark(loc[moved])
+        self.memory.index_copy_(0, loc, mem)
         self.last_update.index_copy_(0, loc, last)
         self.has_msg.index_fill_(0, loc, False)
 
@@ -149,6 +173,7 @@ class TGNMemory(nn.Module):
             uniq, row = latest_rows(node.index_select(0, keep), times.index_select(0, keep))
             row = keep.index_select(0, row)
         loc = self._r(uniq)
+        self._mark(loc)
         self.has_msg.index_fill_(0, loc, True)
         self.msg_other.index_copy_(0, loc, other.index_select(0, row))
         self.msg_t.index_copy_(0, loc, times.index_select(0, row))
@@ -164,11 +189,14 @@ class TGNMemory(nn.Module):
         return {k: getattr(self, k).clone() for k in names}
 
     def load_state_tensors(self, state: dict[str, torch.Tensor]) -> None:
+        state = {k: v.clone().to(getattr(self, k).device) for k, v in state.items()}
+        self.changed = mark_replaced(self.changed, self.tables(), state)
         for k, v in state.items():
-            setattr(self, k, v.clone().to(getattr(self, k).device))
+            setattr(self, k, v)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         key = prefix + "memory"
         if key in state_dict:
             self.grow(state_dict[key].shape[0])
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self.changed = None

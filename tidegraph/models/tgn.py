@@ -45,6 +45,9 @@ class MemoryModel(TemporalModel):
     def load_compact_state(self, row_index, tables: dict) -> None:
         self.memory.load_compact(row_index, tables)
 
+    def take_changed(self) -> torch.Tensor | None:
+        return self.memory.take_changed()
+
     def extra_state_ids(self, ids: torch.Tensor, tables: dict) -> torch.Tensor | None:
         """Sources of pending messages among `ids`: their memory is read too."""
         return tables["msg_other"][tables["has_msg"]]

@@ -48,6 +48,8 @@ __all__ = [
     "CHUNK",
     "INLINE",
     "CheckpointStore",
+    "DeltaTables",
+    "RowDelta",
     "TensorRef",
     "compact",
     "pack_rows",
@@ -71,6 +73,68 @@ class TensorRef:
     shape: tuple[int, ...]
     device: str
     chunks: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class RowDelta:
+    """A table of `shape` stored as a base written earlier (its first rows) and patches, the
+    rows changed since, in order: (row indices, their values) pairs, a later pair winning.
+    Loads as the table itself (`CheckpointStore.resolve`)."""
+
+    base: object  # a TensorRef (or, in memory, a tensor)
+    shape: tuple[int, ...]
+    patches: tuple[tuple[object, object], ...]
+
+    def assemble(self) -> torch.Tensor:
+        """The table, from resolved parts."""
+        base = self.base
+        out = base.new_zeros(self.shape)
+        out[: base.shape[0]] = base
+        for rows, values in self.patches:
+            out[rows.to(out.device)] = values.to(out.device)
+        return out
+
+
+class DeltaTables:
+    """Writes node-state tables to a checkpoint store as `RowDelta` chains, for the process
+    that holds them: a table whose changed rows are known since its last write is written as
+    those rows (a patch) over the base and patches written before, by reference; it is
+    written whole (a new base) when its changed rows are unknown, when its patches since the
+    base would hold more rows than `rebase` times the table, or when it goes to another
+    store. Per-step cost is the holder's: it tracks which rows change."""
+
+    def __init__(self, rebase: float = 0.5) -> None:
+        self.rebase = rebase
+        self.store: str | None = None
+        self.chains: dict[str, tuple] = {}  # name -> (base ref, patches, rows in patches)
+
+    def put(self, store: str, name: str, table: torch.Tensor, changed: torch.Tensor | None):
+        """What to save for `table` (a ref or a `RowDelta`); `changed`: a bool mask of its
+        rows changed since the last `put` of it to this store (None: unknown)."""
+        target = CheckpointStore.at(store)
+        if store != self.store:
+            self.store, self.chains = store, {}
+        chain = self.chains.get(name)
+        if changed is not None and changed.shape[0] != table.shape[0]:
+            changed = None  # not this table's rows
+        rows = None if changed is None else changed.nonzero().squeeze(1)
+        if (chain is not None and rows is not None and chain[0].dtype == str(table.dtype)
+                .removeprefix("torch.") and tuple(chain[0].shape[1:]) == tuple(table.shape[1:])
+                and chain[0].shape[0] <= table.shape[0]
+                and chain[2] + rows.numel() <= self.rebase * table.shape[0]):  # fmt: skip
+            base, patches, count = chain
+            if rows.numel():
+                patch = target.put((rows.cpu(), table.index_select(0, rows)), inline=0)
+                patches = (*patches, tuple(patch))
+                self.chains[name] = (base, patches, count + rows.numel())
+            return RowDelta(base, tuple(table.shape), patches)
+        base = target.put(table, inline=0)
+        self.chains[name] = (base, (), 0)
+        return base
+
+    def forget(self) -> None:
+        """The tables were replaced (a load): their next writes are whole."""
+        self.chains = {}
 
 
 class CheckpointStore:
@@ -195,11 +259,11 @@ class CheckpointStore:
                            map_location=where)  # fmt: skip
         if not resolve:
             return state
-        return _map(state, None, functools.partial(self._tensor, host=host))
+        return _assemble(_map(state, None, functools.partial(self._tensor, host=host)))
 
     def resolve(self, state):
-        """`state` with its refs read back as tensors."""
-        return _map(state, None, self._tensor)
+        """`state` with its refs read back as tensors (and row deltas as their tables)."""
+        return _assemble(_map(state, None, self._tensor))
 
     def _tensor(self, ref: TensorRef, host: bool = False) -> torch.Tensor:
         data = bytearray().join(self._read(f"blobs/{key}") for key in ref.chunks)
@@ -320,10 +384,31 @@ def _bytes(t: torch.Tensor) -> memoryview:
 
 def _chunks(t: torch.Tensor, size: int) -> list[tuple[int, int]]:
     """Byte ranges of whole rows (along dim 0), about `CHUNK` bytes each."""
+    if size == 0:  # no bytes (an empty tensor, rows of width 0): no chunk
+        return []
     rows = t.shape[0] if t.dim() else 1
     row = size // max(rows, 1)
-    step = max(1, CHUNK // max(row, 1)) * row
+    step = max(1, CHUNK // max(row, 1)) * max(row, 1)
     return [(a, min(a + step, size)) for a in range(0, size, step)]
+
+
+def _assemble(x):
+    """`x` with every `RowDelta` (its parts resolved) replaced by its table."""
+    if isinstance(x, RowDelta):
+        return x.assemble()
+    if isinstance(x, OrderedDict):
+        out = OrderedDict((k, _assemble(v)) for k, v in x.items())
+        if hasattr(x, "_metadata"):
+            out._metadata = x._metadata
+        return out
+    if isinstance(x, dict):
+        return {k: _assemble(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_assemble(v) for v in x]
+    if isinstance(x, tuple) and not isinstance(x, torch.Size):
+        values = [_assemble(v) for v in x]
+        return type(x)(*values) if hasattr(x, "_fields") else tuple(values)
+    return x
 
 
 def _map(x, tensor=None, ref=None):
@@ -333,6 +418,9 @@ def _map(x, tensor=None, ref=None):
         return tensor(x) if tensor is not None else x
     if isinstance(x, TensorRef):
         return ref(x) if ref is not None else x
+    if isinstance(x, RowDelta):  # its parts mapped; `_assemble` makes it the table
+        patches = tuple(tuple(_map(p, tensor, ref)) for p in x.patches)
+        return RowDelta(_map(x.base, tensor, ref), x.shape, patches)
     if isinstance(x, OrderedDict):  # a module's state dict: its `_metadata` (versions) kept
         out = OrderedDict((k, _map(v, tensor, ref)) for k, v in x.items())
         if hasattr(x, "_metadata"):

@@ -28,7 +28,7 @@ import torch
 from tidegraph.comm.quantize import quantize_rows
 from tidegraph.sampling.block import Block
 from tidegraph.sampling.sampler import TemporalSampler
-from tidegraph.storage.checkpoint import CheckpointStore, TensorRef, put_state
+from tidegraph.storage.checkpoint import CheckpointStore, DeltaTables, TensorRef, put_state
 from tidegraph.storage.events import EventBatch
 from tidegraph.storage.features import EncodedRows, HostFeatureStore, decode, encode
 from tidegraph.storage.graph import DynamicGraph
@@ -161,6 +161,7 @@ class ShardCore:
         self.graph = DynamicGraph(device=graph_device, add_reverse=False)
         # (store, refs of the graph's pieces written there, the eid they end at)
         self._pieces: tuple[str, list, int] | None = None
+        self._deltas = DeltaTables()  # node-state tables written as changed rows
         # fanouts are per request; this sampler answers one hop at a time
         self.sampler = TemporalSampler(self.graph, (1,), strategy, seed=seed)
         self.features = None
@@ -285,6 +286,11 @@ class ShardCore:
                 pieces = [*pieces, put_state(store, new, inline=0)]
             self._pieces = (store, pieces, self.graph.eid_end)
             state["graph"] = self.graph.piece_state(pieces)
+        if self.node_state is not None:  # the rows changed since the last checkpoint
+            changed = self.node_state.model.take_changed()
+            tables = state["node_state"]["tables"]
+            for name, table in tables.items():
+                tables[name] = self._deltas.put(store, name, table, changed)
         return put_state(store, state)
 
     def load_chunks(self, state: dict, store: str) -> None:

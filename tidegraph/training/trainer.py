@@ -29,7 +29,7 @@ from tidegraph.models.base import TemporalModel, link_roots
 from tidegraph.models.config import build_model
 from tidegraph.sampling.keyed import step_key
 from tidegraph.storage.cache import CachedFeatureStore
-from tidegraph.storage.checkpoint import CheckpointStore, compact, put_state
+from tidegraph.storage.checkpoint import CheckpointStore, DeltaTables, compact, put_state
 from tidegraph.storage.events import EventBatch
 from tidegraph.timeline import Tracer, payload_bytes
 from tidegraph.training.fetch import flat_blocks, join_edge_features
@@ -74,6 +74,7 @@ class TrainerCore:
             ).to(self.device)
         # sharded node state: the model holds none of its own, each pass installs what it reads
         self.state_source = state_source
+        self._deltas = DeltaTables()  # node-state tables written as changed rows
         self.model.external_state = state_source is not None
         d = config.data
         self.edge_cache = None
@@ -439,8 +440,18 @@ class TrainerCore:
 
     def state_chunks(self, store: str) -> dict:
         """`state_dict()` with its large tensors written to the checkpoint store at `store`
-        and refs in their place: a checkpoint's bulk written where it is held."""
-        return put_state(store, self.state_dict())
+        and refs in their place: a checkpoint's bulk written where it is held. Replicated
+        node-state tables are written as the rows changed since the last checkpoint over
+        what earlier ones wrote (`DeltaTables`), when the model tracks them."""
+        state = self.state_dict()
+        model = state["model"]
+        tables = {t.data_ptr() for t in self.model.state_tables().values() if t.numel()}
+        keys = [k for k, v in model.items() if v.numel() and v.data_ptr() in tables]
+        if keys:
+            changed = self.model.take_changed()
+            for key in keys:
+                model[key] = self._deltas.put(store, key, model[key], changed)
+        return put_state(store, state)
 
     def state_dict(self) -> dict:
         cache = self.edge_cache
