@@ -50,7 +50,7 @@ from tidegraph.orchestrator import Orchestrator, RunState
 from tidegraph.orchestrator.rundir import RunDir
 from tidegraph.recovery.updatelog import logged_steps
 from tidegraph.runtime import set_determinism
-from tidegraph.storage.checkpoint import CheckpointStore
+from tidegraph.storage.checkpoint import CheckpointStore, chunks_of
 from tidegraph.storage.live import DirectorySource, GrowingFileSource
 from tidegraph.timeline import load_trace, validate
 from tidegraph.training import RunConfig, load_stream
@@ -1068,7 +1068,7 @@ def test_a_followed_directory_resumed_on_both_backends(ray_session, tmp_path, mo
         store = CheckpointStore.at(str(tmp_path / backend / "follow" / "checkpoints"))
         saved = store.load(resolve=False)
         group = saved["learner"]["group"]
-        bulk = _chunks_of(group["shards"], group["trainers"])
+        bulk = chunks_of([group["shards"], group["trainers"]])
         read_here.clear()
         assert job([*args, "--resume"], backend) == 0
         assert bulk, "the checkpoint's shard and trainer states hold no refs"
@@ -1081,15 +1081,6 @@ def test_a_followed_directory_resumed_on_both_backends(ray_session, tmp_path, mo
         assert [r.get("events") for r in rows if r["phase"] == "increment"] == [200, 200]
         assert outs[backend]["summary"]["memory_placement"] == "sharded"
     assert_same_job(outs)
-
-
-def _chunks_of(*states) -> set[str]:
-    """Keys of the chunks the refs of `states` (a checkpoint loaded unresolved) name."""
-    from tidegraph.storage.checkpoint import TensorRef, _map
-
-    out: set[str] = set()
-    _map(list(states), None, lambda r: out.update(r.chunks) if isinstance(r, TensorRef) else None)
-    return out
 
 
 def test_a_followed_growing_file_on_both_backends(ray_session, tmp_path, monkeypatch):

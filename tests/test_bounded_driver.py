@@ -165,6 +165,45 @@ def test_the_node_state_rows_a_model_reports_unchanged_are_unchanged(model, memo
     assert left_out > 0.1 * sum(int(m.take_changed().numel()) for m in holders)
 
 
+def test_a_node_state_write_that_fails_loses_no_changed_row(tmp_path, monkeypatch):
+    """A checkpoint whose node-state writes fail midway (a storage error) gives its changed
+    rows back: the next checkpoint holds the live tables bitwise; so does one after a
+    checkpoint went through the driver and retention deleted what the trainer had written."""
+    from tidegraph.storage.checkpoint import DeltaTables
+
+    raw = {**SMALL, "continual": {**SMALL["continual"], "num_increments": 3}}
+    learner = ContinualLearner(RunConfig.from_dict(raw), load_stream("wikipedia", 3000))
+    learner.run_phase1()
+    trainer, uri = learner.group.trainers[0], str(tmp_path)
+    store = CheckpointStore.at(uri)
+    store.save(trainer.state_chunks(uri), "a", keep=1)
+    learner.step()
+    put, calls = DeltaTables.put, []
+
+    def failing(self, *args, **kwargs):
+        calls.append(args[1])
+        if len(calls) == 2:
+            raise OSError("storage unreachable")
+        return put(self, *args, **kwargs)
+
+    monkeypatch.setattr(DeltaTables, "put", failing)
+    with pytest.raises(OSError, match="unreachable"):
+        trainer.state_chunks(uri)
+    monkeypatch.setattr(DeltaTables, "put", put)
+    store.save(trainer.state_chunks(uri), "b", keep=1)
+    live = trainer.model.state_tables()
+    saved = store.load("b")["model"]
+    for key, table in saved.items():
+        name = key.rsplit(".", 1)[-1]
+        if key.startswith("memory.") and name in live:
+            assert torch.equal(table.view(torch.uint8), live[name].view(torch.uint8)), key
+    store.save(trainer.state_dict(), "c", keep=1)  # through the driver: "b" goes
+    learner.step()
+    store.save(trainer.state_chunks(uri), "d", keep=1)
+    saved = store.load("d")["model"]
+    assert all(torch.equal(saved[k], v) for k, v in trainer.state_dict()["model"].items())
+
+
 def test_replay_draws_from_the_history_itself_while_it_fits():
     """What replay and forgetting probes draw from, while the history fits the reservoir, is
     the stream's events before the increment, bitwise: the draws of a learner that keeps

@@ -165,8 +165,8 @@ def test_tables_written_as_changed_rows_load_back_bitwise(tmp_path):
     times[:2] = torch.tensor([float("nan"), -0.0])
     changed, kinds = None, []
     for i in range(12):
-        state = {"memory": deltas.put(uri, "memory", table, changed),
-                 "t": deltas.put(uri, "t", times, changed)}  # fmt: skip
+        state = {"memory": deltas.put(uri, "memory", table, changed, store.chunk_keys()),
+                 "t": deltas.put(uri, "t", times, changed, store.chunk_keys())}  # fmt: skip
         store.save(state, f"c{i}", keep=2)
         kinds.append(type(state["memory"]).__name__)
         if isinstance(state["memory"], RowDelta):  # the patch: 2,000 rows of 48 bytes
@@ -187,15 +187,38 @@ def test_tables_written_as_changed_rows_load_back_bitwise(tmp_path):
     assert kinds[0] == "TensorRef" and kinds[1:4] == ["RowDelta"] * 3
     assert "TensorRef" in kinds[5:], kinds
     # unknown changes (a load) and another store: written whole
-    assert isinstance(deltas.put(uri, "memory", table, None), type(store.put(table)))
+    assert isinstance(
+        deltas.put(uri, "memory", table, None, store.chunk_keys()), type(store.put(table))
+    )
     other = str(tmp_path / "other")
-    assert not isinstance(deltas.put(other, "memory", table, changed), RowDelta)
+    assert not isinstance(deltas.put(other, "memory", table, changed, set()), RowDelta)
     # rows of no bytes (edge features of a stream without any), whole and as a patch
     empty = torch.zeros(300, 0)
-    state = {"feat": deltas.put(uri, "feat", empty, None)}
-    state["later"] = deltas.put(uri, "feat", empty, torch.ones(300, dtype=torch.bool))
+    state = {"feat": deltas.put(uri, "feat", empty, None, store.chunk_keys())}
+    state["later"] = deltas.put(
+        uri, "feat", empty, torch.ones(300, dtype=torch.bool), store.chunk_keys()
+    )
     store.save(state, "empty")
     assert all(x.shape == (300, 0) for x in store.load("empty").values())
+
+
+def test_a_chain_whose_chunks_retention_deleted_is_written_whole_again(tmp_path):
+    """Checkpoints that went another way (through the driver, while a second node was up)
+    let retention delete a chain's chunks: the next write through `DeltaTables` starts a new
+    base instead of referencing them, and the checkpoint saves and loads."""
+    uri = str(tmp_path)
+    store, deltas = CheckpointStore.at(uri), DeltaTables()
+    table = torch.arange(40_000.0).reshape(10_000, 4)
+    store.save({"t": deltas.put(uri, "t", table, None, store.chunk_keys())}, "a", keep=1)
+    for tag in ("b", "c"):  # whole tables, referencing nothing of "a"
+        store.save({"t": table + 1}, tag, keep=1)
+    changed = torch.zeros(10_000, dtype=torch.bool)
+    changed[:3] = True
+    table[:3] = -1.0
+    ref = deltas.put(uri, "t", table, changed, store.chunk_keys())
+    assert not isinstance(ref, RowDelta)
+    store.save({"t": ref}, "d", keep=1)
+    assert torch.equal(store.load("d")["t"], table)
 
 
 def test_compact_gives_views_their_own_storage():

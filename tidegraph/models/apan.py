@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tidegraph.models.base import TemporalModel, mark_replaced
+from tidegraph.models.base import TemporalModel, mark_replaced, merge_changed
 from tidegraph.models.layers import TemporalAttention, edge_features
 from tidegraph.models.time_encoding import TimeEncoder
 from tidegraph.ops import gather_rows, latest_rows
@@ -89,6 +89,9 @@ class APAN(TemporalModel):
         self.changed = torch.zeros(self.memory.shape[0], dtype=torch.bool,
                                    device=self.memory.device)  # fmt: skip
         return out
+
+    def return_changed(self, changed: torch.Tensor | None) -> None:
+        self.changed = merge_changed(self.changed, changed)
 
     def _mark(self, rows: torch.Tensor) -> None:
         if self.changed is not None:

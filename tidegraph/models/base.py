@@ -138,6 +138,9 @@ class TemporalModel(nn.Module):
         unknown), for checkpoints that write only those (`storage.checkpoint.DeltaTables`)."""
         return None
 
+    def return_changed(self, changed: torch.Tensor | None) -> None:
+        """What `take_changed` gave, back (the checkpoint that took it was not written)."""
+
     def state_ids(self, roots: torch.Tensor, blocks: list) -> torch.Tensor:
         """Sorted distinct node ids whose state a forward pass over these blocks reads."""
         from tidegraph.training.fetch import flat_blocks
@@ -195,7 +198,24 @@ def mark_replaced(changed: torch.Tensor | None, old: dict, new: dict) -> torch.T
         if table.shape != before.shape or table.dtype != before.dtype:
             return None
         if table.numel():
-            a = before.contiguous().view(torch.uint8).reshape(before.shape[0], -1)
-            b = table.to(before.device).contiguous().view(torch.uint8).reshape(a.shape)
-            changed = changed | (a != b).any(1)
+            changed = changed | row_bits(before).ne(row_bits(table.to(before.device))).any(1)
     return changed
+
+
+def merge_changed(changed: torch.Tensor | None, back: torch.Tensor | None):
+    """A mask of rows changed since `back` was taken: `back` or `changed` (None: unknown)."""
+    if changed is None or back is None:
+        return None
+    n = min(changed.shape[0], back.shape[0])  # rows past `back` were grown since: marked
+    return torch.cat([changed[:n] | back[:n].to(changed.device), changed[n:]])
+
+
+def row_bits(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of each row of `t` as the widest integers that divide a row [rows, k]:
+    equal rows, bit for bit (NaN, -0.0), compare equal."""
+    rows = t.shape[0]
+    flat = t.contiguous().view(torch.uint8).reshape(rows, -1)
+    for dtype, width in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
+        if flat.shape[1] % width == 0:
+            return flat.view(dtype)
+    return flat

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tidegraph.models.base import mark_replaced
+from tidegraph.models.base import mark_replaced, merge_changed, row_bits
 from tidegraph.models.time_encoding import TimeEncoder
 from tidegraph.ops import gather_rows, latest_rows
 
@@ -75,6 +75,10 @@ class TGNMemory(nn.Module):
         out = self.changed
         self.changed = torch.zeros(self.num_nodes, dtype=torch.bool, device=self.memory.device)
         return out
+
+    def return_changed(self, changed: torch.Tensor | None) -> None:
+        """What `take_changed` gave, back (the checkpoint that took it was not written)."""
+        self.changed = merge_changed(self.changed, changed)
 
     def _mark(self, rows: torch.Tensor) -> None:
         if self.changed is not None:
@@ -141,11 +145,13 @@ class TGNMemory(nn.Module):
         """Write back what `updated(ids)` returned; `ids` must be unique."""
         loc = self._r(ids)
         mem = mem.detach().to(self.memory.dtype)
-        if self.changed is not None:  # rows whose values change (not every row written)
+        if self.changed is not None:  # rows whose bytes change (not every row written)
             moved = self.has_msg.index_select(0, loc)
-            moved |= (self.memory.index_select(0, loc) != mem).any(1)
-            moved |= self.last_update.index_select(0, loc) != last
-            self._mark(loc[moved])
+            moved |= row_bits(self.memory.index_select(0, loc)).ne(row_bits(mem)).any(1)
+            moved |= row_bits(self.last_update.index_select(0, loc).unsqueeze(1)).ne(
+                row_bits(last.to(self.last_update.dtype).unsqueeze(1))).any(1)  # fmt: skip
+            # (no host sync: ids are distinct, each row keeps its mark or takes this one)
+            self.changed.index_copy_(0, loc, self.changed.index_select(0, loc) | moved)
         self.memory.index_copy_(0, loc, mem)
         self.last_update.index_copy_(0, loc, last)
         self.has_msg.index_fill_(0, loc, False)

@@ -48,6 +48,9 @@ class MemoryModel(TemporalModel):
     def take_changed(self) -> torch.Tensor | None:
         return self.memory.take_changed()
 
+    def return_changed(self, changed: torch.Tensor | None) -> None:
+        self.memory.return_changed(changed)
+
     def extra_state_ids(self, ids: torch.Tensor, tables: dict) -> torch.Tensor | None:
         """Sources of pending messages among `ids`: their memory is read too."""
         return tables["msg_other"][tables["has_msg"]]

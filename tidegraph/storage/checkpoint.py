@@ -51,6 +51,7 @@ __all__ = [
     "DeltaTables",
     "RowDelta",
     "TensorRef",
+    "chunks_of",
     "compact",
     "pack_rows",
     "put_state",
@@ -103,38 +104,54 @@ class DeltaTables:
     base would hold more rows than `rebase` times the table, or when it goes to another
     store. Per-step cost is the holder's: it tracks which rows change."""
 
-    def __init__(self, rebase: float = 0.5) -> None:
-        self.rebase = rebase
+    def __init__(self, rebase: float = 0.5, max_patches: int = 16) -> None:
+        self.rebase, self.max_patches = rebase, max_patches
         self.store: str | None = None
         self.chains: dict[str, tuple] = {}  # name -> (base ref, patches, rows in patches)
 
-    def put(self, store: str, name: str, table: torch.Tensor, changed: torch.Tensor | None):
+    def put(
+        self, store: str, name: str, table: torch.Tensor, changed: torch.Tensor | None,
+        have: set[str],
+    ):  # fmt: skip
         """What to save for `table` (a ref or a `RowDelta`); `changed`: a bool mask of its
-        rows changed since the last `put` of it to this store (None: unknown)."""
+        rows changed since the last `put` of it to this store (None: unknown); `have`: the
+        chunks the store holds (`CheckpointStore.chunk_keys`): a chain whose chunks are not
+        all there any more (deleted by retention while checkpoints went another way) is not
+        continued."""
         target = CheckpointStore.at(store)
         if store != self.store:
             self.store, self.chains = store, {}
         chain = self.chains.get(name)
+        if chain is not None and not chunks_of([chain[0], chain[1]]) <= have:
+            chain = None
         if changed is not None and changed.shape[0] != table.shape[0]:
             changed = None  # not this table's rows
         rows = None if changed is None else changed.nonzero().squeeze(1)
         if (chain is not None and rows is not None and chain[0].dtype == str(table.dtype)
                 .removeprefix("torch.") and tuple(chain[0].shape[1:]) == tuple(table.shape[1:])
-                and chain[0].shape[0] <= table.shape[0]
+                and chain[0].shape[0] <= table.shape[0] and len(chain[1]) < self.max_patches
                 and chain[2] + rows.numel() <= self.rebase * table.shape[0]):  # fmt: skip
             base, patches, count = chain
             if rows.numel():
-                patch = target.put((rows.cpu(), table.index_select(0, rows)), inline=0)
+                patch = target.put((rows.cpu(), table.index_select(0, rows)), 0, have)
                 patches = (*patches, tuple(patch))
                 self.chains[name] = (base, patches, count + rows.numel())
             return RowDelta(base, tuple(table.shape), patches)
-        base = target.put(table, inline=0)
+        base = target.put(table, 0, have)
         self.chains[name] = (base, (), 0)
         return base
 
     def forget(self) -> None:
         """The tables were replaced (a load): their next writes are whole."""
         self.chains = {}
+
+
+def chunks_of(state) -> set[str]:
+    """The chunk keys the refs in `state` (a checkpoint loaded unresolved, or refs `put`
+    returned) name."""
+    out: set[str] = set()
+    _map(state, None, lambda r: out.update(r.chunks))
+    return out
 
 
 class CheckpointStore:
@@ -152,13 +169,18 @@ class CheckpointStore:
 
     # ---- writing ------------------------------------------------------------------------------
 
-    def put(self, state, inline: int = INLINE):
+    def put(self, state, inline: int = INLINE, have: set[str] | None = None):
         """`state` with every tensor of `inline` bytes or more written as chunks (those the
         store lacks) and replaced by its `TensorRef`; any process that reaches the store may
         call it (an actor puts its own state, and the driver saves the refs it returns).
         `inline=0`: every tensor as chunks (what later checkpoints reference, however small,
-        and should not carry inline in every manifest)."""
-        return self._put(state, self._blobs(), inline)
+        and should not carry inline in every manifest). `have`: the chunks the store holds
+        (`chunk_keys`, taken once for several puts; the new ones are added to it)."""
+        return self._put(state, self.chunk_keys() if have is None else have, inline)
+
+    def chunk_keys(self) -> set[str]:
+        """The keys of the chunks the store holds (one listing)."""
+        return self._blobs()
 
     def _blobs(self) -> set[str]:
         """Names of the files in blobs/ (one listing)."""
@@ -191,8 +213,7 @@ class CheckpointStore:
         self.last_written = 0
         have = self._blobs()  # listed after the actors put theirs: all this save can see
         tree = self._put(state, have)
-        refs: set[str] = set()
-        _map(tree, None, lambda r: refs.update(r.chunks))
+        refs = chunks_of(tree)
         missing = refs - have
         if missing:  # a writer that could not reach this store: refuse, keep the last one
             raise RuntimeError(
@@ -334,9 +355,10 @@ def read_file(fs: pafs.FileSystem, path: str) -> bytes:
         return f.read()
 
 
-def put_state(uri: str, state, inline: int = INLINE):
-    """`CheckpointStore.at(uri).put(state, inline)`: what an actor returns for a checkpoint."""
-    return CheckpointStore.at(uri).put(state, inline)
+def put_state(uri: str, state, inline: int = INLINE, have: set[str] | None = None):
+    """`CheckpointStore.at(uri).put(state, inline, have)`: what an actor returns for a
+    checkpoint."""
+    return CheckpointStore.at(uri).put(state, inline, have)
 
 
 def compact(state):

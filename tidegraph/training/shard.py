@@ -28,7 +28,13 @@ import torch
 from tidegraph.comm.quantize import quantize_rows
 from tidegraph.sampling.block import Block
 from tidegraph.sampling.sampler import TemporalSampler
-from tidegraph.storage.checkpoint import CheckpointStore, DeltaTables, TensorRef, put_state
+from tidegraph.storage.checkpoint import (
+    CheckpointStore,
+    DeltaTables,
+    TensorRef,
+    chunks_of,
+    put_state,
+)
 from tidegraph.storage.events import EventBatch
 from tidegraph.storage.features import EncodedRows, HostFeatureStore, decode, encode
 from tidegraph.storage.graph import DynamicGraph
@@ -277,21 +283,29 @@ class ShardCore:
         reference, and one of the edges added since, so no edge is written twice however
         the segments merge."""
         state = self.state_dict()
+        have = CheckpointStore.at(store).chunk_keys()  # one listing for every put here
         if self.graph.ordered:
             held_store, pieces, end = self._pieces or (store, [], 0)
-            if held_store != store:  # another store: it holds none of them
+            # another store, or pieces deleted by retention while checkpoints went through
+            # the driver (a second node was up): none of them is there to reference
+            if held_store != store or not chunks_of(pieces) <= have:
                 pieces, end = [], 0
             if self.graph.eid_end > end:
                 new = self.graph.rows_since(end)
-                pieces = [*pieces, put_state(store, new, inline=0)]
+                pieces = [*pieces, put_state(store, new, inline=0, have=have)]
             self._pieces = (store, pieces, self.graph.eid_end)
             state["graph"] = self.graph.piece_state(pieces)
         if self.node_state is not None:  # the rows changed since the last checkpoint
-            changed = self.node_state.model.take_changed()
+            model = self.node_state.model
+            changed = model.take_changed()
             tables = state["node_state"]["tables"]
-            for name, table in tables.items():
-                tables[name] = self._deltas.put(store, name, table, changed)
-        return put_state(store, state)
+            try:
+                for name, table in tables.items():
+                    tables[name] = self._deltas.put(store, name, table, changed, have)
+            except BaseException:  # not written: its rows count as changed at the next one
+                model.return_changed(changed)
+                raise
+        return put_state(store, state, have=have)
 
     def load_chunks(self, state: dict, store: str) -> None:
         """`load_state_dict` of a state whose large tensors are refs to the checkpoint store
@@ -314,6 +328,8 @@ class ShardCore:
         }
 
     def load_state_dict(self, state: dict) -> None:
+        self._pieces = None  # the graph is replaced: nothing written is known to be it
+        self._deltas.forget()
         if (state["part"], state["num_parts"]) != (self.part, self.num_parts):
             raise ValueError(
                 f"ShardCore.load_state_dict: state of shard {state['part']}/{state['num_parts']}"

@@ -445,13 +445,18 @@ class TrainerCore:
         what earlier ones wrote (`DeltaTables`), when the model tracks them."""
         state = self.state_dict()
         model = state["model"]
+        have = CheckpointStore.at(store).chunk_keys()  # one listing for every put here
         tables = {t.data_ptr() for t in self.model.state_tables().values() if t.numel()}
         keys = [k for k, v in model.items() if v.numel() and v.data_ptr() in tables]
         if keys:
             changed = self.model.take_changed()
-            for key in keys:
-                model[key] = self._deltas.put(store, key, model[key], changed)
-        return put_state(store, state)
+            try:
+                for key in keys:
+                    model[key] = self._deltas.put(store, key, model[key], changed, have)
+            except BaseException:  # not written: its rows count as changed at the next one
+                self.model.return_changed(changed)
+                raise
+        return put_state(store, state, have=have)
 
     def state_dict(self) -> dict:
         cache = self.edge_cache
@@ -476,6 +481,7 @@ class TrainerCore:
         self.load_state_dict(CheckpointStore.at(store).resolve(state))
 
     def load_state_dict(self, state: dict) -> None:
+        self._deltas.forget()  # node-state tables replaced: written whole next time
         params = self._param_ids()
         # in place, unless a node table grew; without node-state tables when shards hold them
         missing, unexpected = self.model.load_state_dict(state["model"], strict=False)
