@@ -165,6 +165,20 @@ def test_the_node_state_rows_a_model_reports_unchanged_are_unchanged(model, memo
     assert left_out > 0.1 * sum(int(m.take_changed().numel()) for m in holders)
 
 
+def test_rows_compare_bit_for_bit_whatever_their_width():
+    """`row_bits`: the comparison of node-state rows behind the changed masks; rows of any
+    width (none included) and dtype, empty tables, -0.0 against 0.0 and NaN against NaN."""
+    from tidegraph.models.base import row_bits
+
+    for t in (torch.zeros(0, 16), torch.zeros(5, 3), torch.zeros(4, 1, dtype=torch.bool),
+              torch.zeros(3, 0), torch.zeros(0, 1, dtype=torch.float64)):  # fmt: skip
+        assert row_bits(t).shape[0] == t.shape[0]
+        assert not bool(row_bits(t).ne(row_bits(t.clone())).any())
+    a = torch.tensor([[0.0, 1.0], [float("nan"), 2.0], [3.0, 4.0]])
+    b = torch.tensor([[-0.0, 1.0], [float("nan"), 2.0], [3.0, 4.5]])
+    assert row_bits(a).ne(row_bits(b)).any(1).tolist() == [True, False, True]
+
+
 def test_a_node_state_write_that_fails_loses_no_changed_row(tmp_path, monkeypatch):
     """A checkpoint whose node-state writes fail midway (a storage error) gives its changed
     rows back: the next checkpoint holds the live tables bitwise; so does one after a

@@ -18,6 +18,8 @@ at once for one replica; `fold()` keeps a pass's state between evaluation chunks
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -213,9 +215,9 @@ def merge_changed(changed: torch.Tensor | None, back: torch.Tensor | None):
 def row_bits(t: torch.Tensor) -> torch.Tensor:
     """The bytes of each row of `t` as the widest integers that divide a row [rows, k]:
     equal rows, bit for bit (NaN, -0.0), compare equal."""
-    rows = t.shape[0]
-    flat = t.contiguous().view(torch.uint8).reshape(rows, -1)
-    for dtype, width in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
-        if flat.shape[1] % width == 0:
+    row = math.prod(t.shape[1:]) * t.element_size()  # bytes of a row (also with no rows)
+    flat = t.contiguous().view(torch.uint8).reshape(t.shape[0], row)
+    for dtype, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
+        if row and row % size == 0:
             return flat.view(dtype)
     return flat
