@@ -10,8 +10,9 @@ from pathlib import Path
 import torch
 
 from tidegraph.storage.checkpoint import CheckpointStore
+from tidegraph.storage.graph import DynamicGraph
 
-__all__ = ["RAY_ONLY", "assert_same_state", "final_state", "records"]
+__all__ = ["RAY_ONLY", "assert_same_state", "final_state", "records", "with_segments"]
 
 # what a Ray group's state holds and a local group's does not (its bookkeeping of ingests
 # and membership, not the run's result)
@@ -25,8 +26,22 @@ def records(run: Path) -> list[dict]:
 
 
 def final_state(run: Path, tag: str | None = None) -> dict:
-    """The learner's state in the run's checkpoint `tag` (default: its newest)."""
-    return CheckpointStore.at(str(run / "checkpoints")).load(tag)["learner"]
+    """The learner's state in the run's checkpoint `tag` (default: its newest), each shard's
+    graph as its segments (`with_segments`)."""
+    state = CheckpointStore.at(str(run / "checkpoints")).load(tag)["learner"]
+    with_segments(state["group"]["shards"])
+    return state
+
+
+def with_segments(shards: list[dict]) -> None:
+    """Shard states whose graph is pieces (a checkpoint's, which depend on when checkpoints
+    were taken) given the segments those pieces load as: the graph itself, comparable
+    between runs that checkpointed at other times."""
+    for shard in shards:
+        if "pieces" in shard["graph"]:
+            graph = DynamicGraph(add_reverse=shard["graph"]["add_reverse"])
+            graph.load_state_dict(shard["graph"])
+            shard["graph"] = graph.state_dict()
 
 
 def assert_same_state(got: dict, want: dict, ignore: tuple = ()) -> None:

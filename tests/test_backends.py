@@ -57,6 +57,7 @@ from tidegraph.training import RunConfig, load_stream
 
 sys.path.insert(0, str(Path(__file__).parent))
 from numerics import float64_everywhere, rel  # noqa: E402
+from runstate import final_state  # noqa: E402
 
 BACKENDS = ("local", "ray")
 EVENTS = 1000  # of wikipedia: phase 1 of 600 (about 6 steps of 100), then 2 increments of 200
@@ -967,7 +968,7 @@ def job(args: list[str], backend: str) -> int:
 def job_outcome(path: Path) -> dict:
     """What a job left in its run directory: its records and summary without wall times, and
     the final checkpoint's group (every shard and trainer) and position."""
-    saved = CheckpointStore.at(str(path / "checkpoints")).load()["learner"]
+    saved = final_state(path)  # the graph as segments, whatever the checkpoints' times
     return {"records": records(path), "summary": untimed(json.loads((path / "summary.json")
                                                                     .read_text())),
             "group": group_state(saved["group"]),

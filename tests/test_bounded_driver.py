@@ -13,14 +13,13 @@ import torch
 from tidegraph.storage.checkpoint import CheckpointStore
 from tidegraph.storage.eventlog import EventLog
 from tidegraph.storage.events import EventBatch
-from tidegraph.storage.graph import DynamicGraph
 from tidegraph.storage.partition import PartitionTally, build_partitioner, partition_report
 from tidegraph.training import ContinualLearner, RunConfig, load_stream
 from tidegraph.training.data import stream_of
 from tidegraph.training.sampling import ReplayReservoir
 
 sys.path.insert(0, str(Path(__file__).parent))
-from runstate import assert_same_state  # noqa: E402
+from runstate import assert_same_state, with_segments  # noqa: E402
 
 
 def _events(lo: int, hi: int) -> EventBatch:
@@ -314,10 +313,7 @@ def test_a_ray_groups_checkpoint_bulk_is_written_by_its_actors(ray_session, tmp_
         store = CheckpointStore.at(uri)
         store.save(state, "phase1")
         saved = store.load()
-        for shard in saved["group"]["shards"]:  # the graph as pieces: its segments, rebuilt
-            graph = DynamicGraph(add_reverse=False)
-            graph.load_state_dict(shard["graph"])
-            shard["graph"] = graph.state_dict()
+        with_segments(saved["group"]["shards"])  # the graph as pieces: its segments, rebuilt
         assert_same_state(saved, learner.state_dict())
     finally:
         learner.group.shutdown()
