@@ -146,7 +146,7 @@ def test_the_node_state_rows_a_model_reports_unchanged_are_unchanged(model, memo
     def check() -> int:  # after every unit: the rows not marked are the rows as they were
         left_out = 0
         for m, old in zip(holders, before, strict=True):
-            changed = (m.memory if model != "apan" else m).changed  # a look, not a take
+            changed = (m.memory if model != "apan" else m).changed.mask  # a look, not a take
             assert changed is not None
             for name, table in m.state_tables().items():
                 rows = (~changed[: old[name].shape[0]]).nonzero().squeeze(1)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tidegraph.models.base import TemporalModel, mark_replaced, merge_changed
+from tidegraph.models.base import ChangedRows, TemporalModel
 from tidegraph.models.layers import TemporalAttention, edge_features
 from tidegraph.models.time_encoding import TimeEncoder
 from tidegraph.ops import gather_rows, latest_rows
@@ -57,7 +57,7 @@ class APAN(TemporalModel):
         self.attention = TemporalAttention(dim, self.time_enc, 0, dim, heads)
         self.row_index = None  # compact tables (sharded node state): ids -> rows
         self._alloc(num_nodes)
-        self.changed: torch.Tensor | None = None  # rows changed since `take_changed`
+        self.changed = ChangedRows()  # rows changed since `take_changed`
         self._queue: list[tuple[int, torch.Tensor, Block]] = []
         self._batch: int | None = None  # events in the forward pass under way (set by score)
 
@@ -79,23 +79,16 @@ class APAN(TemporalModel):
         return torch.unique(roots)  # embeddings read the roots' memory and mails only
 
     def load_compact_state(self, row_index, tables: dict) -> None:
-        self.changed = mark_replaced(self.changed, self.state_tables(), tables)
+        self.changed.replaced(self.state_tables(), tables)
         for name in _STATE:
             setattr(self, name, tables[name])
         self.row_index = row_index
 
     def take_changed(self) -> torch.Tensor | None:
-        out = self.changed
-        self.changed = torch.zeros(self.memory.shape[0], dtype=torch.bool,
-                                   device=self.memory.device)  # fmt: skip
-        return out
+        return self.changed.take(self.memory.shape[0], self.memory.device)
 
     def return_changed(self, changed: torch.Tensor | None) -> None:
-        self.changed = merge_changed(self.changed, changed)
-
-    def _mark(self, rows: torch.Tensor) -> None:
-        if self.changed is not None:
-            self.changed.index_fill_(0, rows, True)
+        self.changed.give_back(changed)
 
     # ---- forward ----------------------------------------------------------------------------
 
@@ -193,7 +186,7 @@ class APAN(TemporalModel):
         """memory[v] = z of v's latest event in the batch (ties: the later row)."""
         uniq, row = latest_rows(nodes, times)
         loc = self._r(uniq)
-        self._mark(loc)
+        self.changed.mark(loc)
         self.memory[loc] = z[row].to(self.memory.dtype)
         self.last_update[loc] = times[row]
 
@@ -214,7 +207,7 @@ class APAN(TemporalModel):
         keep = rank >= count - m  # older ones would be overwritten in this batch anyway
         tgt, rank, order = self._r(tgt[keep]), rank[keep], order[keep]
         slot = (self.mail_count[tgt] + rank) % m
-        self._mark(self._r(uniq))  # every target's count changes (its mails too)
+        self.changed.mark(self._r(uniq))  # every target's count changes (its mails too)
         self.mail[tgt, slot] = mails[order].to(self.mail.dtype)
         self.mail_t[tgt, slot] = times[order]
         self.mail_count[self._r(uniq)] += counts
@@ -227,7 +220,7 @@ class APAN(TemporalModel):
         for name in _STATE:
             buffer = getattr(self, name)
             buffer.fill_(-torch.inf if name == "mail_t" else 0)
-        self.changed = None
+        self.changed.forget()
 
     def node_state(self) -> dict:
         return {name: getattr(self, name).clone() for name in _STATE}
@@ -235,7 +228,7 @@ class APAN(TemporalModel):
     def load_node_state(self, state: dict) -> None:
         self._queue.clear()
         state = {k: v.clone().to(getattr(self, k).device) for k, v in state.items()}
-        self.changed = mark_replaced(self.changed, self.state_tables(), state)
+        self.changed.replaced(self.state_tables(), state)
         for name, value in state.items():
             setattr(self, name, value)
 
@@ -250,12 +243,11 @@ class APAN(TemporalModel):
             fill = -torch.inf if name == "mail_t" else 0
             pad = old.new_full((extra,) + tuple(old.shape[1:]), fill)
             setattr(self, name, torch.cat([old, pad]))
-        if self.changed is not None:
-            self.changed = torch.cat([self.changed, self.changed.new_ones(extra)])
+        self.changed.grew(extra)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         key = prefix + "memory"
         if key in state_dict:
             self.grow(state_dict[key].shape[0])
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-        self.changed = None
+        self.changed.forget()

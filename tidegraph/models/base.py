@@ -187,29 +187,58 @@ def link_roots(
     return roots, ts
 
 
-def mark_replaced(changed: torch.Tensor | None, old: dict, new: dict) -> torch.Tensor | None:
-    """`changed` (a bool mask of the rows of node-state tables `old` changed since it was
-    taken, None: unknown) once tables `new` replace them: also the rows whose bytes differ,
-    or None when a table changes shape (a restored snapshot keeps what it did not change)."""
-    if changed is None:
-        return None
-    for name, table in new.items():
-        before = old[name]
-        if table is before:
-            continue
-        if table.shape != before.shape or table.dtype != before.dtype:
-            return None
-        if table.numel():
-            changed = changed | row_bits(before).ne(row_bits(table.to(before.device))).any(1)
-    return changed
+class ChangedRows:
+    """Which rows of a model's node-state tables changed since `take` (`mask`, None:
+    unknown, as after a load), for checkpoints that write only those rows
+    (`storage.checkpoint.DeltaTables`); TGN/JODIE memory and APAN keep one."""
 
+    def __init__(self) -> None:
+        self.mask: torch.Tensor | None = None
 
-def merge_changed(changed: torch.Tensor | None, back: torch.Tensor | None):
-    """A mask of rows changed since `back` was taken: `back` or `changed` (None: unknown)."""
-    if changed is None or back is None:
-        return None
-    n = min(changed.shape[0], back.shape[0])  # rows past `back` were grown since: marked
-    return torch.cat([changed[:n] | back[:n].to(changed.device), changed[n:]])
+    def take(self, rows: int, device: torch.device) -> torch.Tensor | None:
+        """The mask so far; tracking starts again from none changed (`rows` rows)."""
+        out = self.mask
+        self.mask = torch.zeros(rows, dtype=torch.bool, device=device)
+        return out
+
+    def give_back(self, taken: torch.Tensor | None) -> None:
+        """What `take` gave, back (the checkpoint that took it was not written): rows past
+        it were grown since and are marked."""
+        if self.mask is None or taken is None:
+            self.mask = None
+            return
+        n = min(self.mask.shape[0], taken.shape[0])
+        self.mask = torch.cat([self.mask[:n] | taken[:n].to(self.mask.device), self.mask[n:]])
+
+    def mark(self, rows: torch.Tensor) -> None:
+        if self.mask is not None:
+            self.mask.index_fill_(0, rows, True)
+
+    def grew(self, extra: int) -> None:
+        """`extra` rows were added at the end (changed)."""
+        if self.mask is not None:
+            self.mask = torch.cat([self.mask, self.mask.new_ones(extra)])
+
+    def forget(self) -> None:
+        """The tables were replaced wholesale (a load, a reset): changes unknown."""
+        self.mask = None
+
+    def replaced(self, old: dict, new: dict) -> None:
+        """Tables `new` replace `old`: also the rows whose bytes differ are changed, or
+        all (unknown) when a table changes shape (a restored snapshot keeps what it did not
+        change)."""
+        if self.mask is None:
+            return
+        for name, table in new.items():
+            before = old[name]
+            if table is before:
+                continue
+            if table.shape != before.shape or table.dtype != before.dtype:
+                self.mask = None
+                return
+            if table.numel():
+                differ = row_bits(before).ne(row_bits(table.to(before.device))).any(1)
+                self.mask = self.mask | differ
 
 
 def row_bits(t: torch.Tensor) -> torch.Tensor:

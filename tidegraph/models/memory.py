@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tidegraph.models.base import mark_replaced, merge_changed, row_bits
+from tidegraph.models.base import ChangedRows, row_bits
 from tidegraph.models.time_encoding import TimeEncoder
 from tidegraph.ops import gather_rows, latest_rows
 
@@ -53,7 +53,7 @@ class TGNMemory(nn.Module):
         self.row_index = None  # None: tables are indexed by node id
         self._alloc(num_nodes)
         # rows of the tables changed since `take_changed` (None: unknown, e.g. after a load)
-        self.changed: torch.Tensor | None = None
+        self.changed = ChangedRows()
 
     def _r(self, ids: torch.Tensor) -> torch.Tensor:
         return ids if self.row_index is None else self.row_index(ids)
@@ -64,7 +64,7 @@ class TGNMemory(nn.Module):
 
     def load_compact(self, row_index, tables: dict[str, torch.Tensor]) -> None:
         """Use `tables` (rows of some nodes) through `row_index` from now on."""
-        self.changed = mark_replaced(self.changed, self.tables(), tables)
+        self.changed.replaced(self.tables(), tables)
         for k in _TABLES:
             setattr(self, k, tables[k])
         self.row_index = row_index
@@ -72,17 +72,7 @@ class TGNMemory(nn.Module):
     def take_changed(self) -> torch.Tensor | None:
         """A bool mask of the table rows changed since the last call (None: unknown), for
         checkpoints that write only those rows (`storage.checkpoint.DeltaTables`)."""
-        out = self.changed
-        self.changed = torch.zeros(self.num_nodes, dtype=torch.bool, device=self.memory.device)
-        return out
-
-    def return_changed(self, changed: torch.Tensor | None) -> None:
-        """What `take_changed` gave, back (the checkpoint that took it was not written)."""
-        self.changed = merge_changed(self.changed, changed)
-
-    def _mark(self, rows: torch.Tensor) -> None:
-        if self.changed is not None:
-            self.changed.index_fill_(0, rows, True)
+        return self.changed.take(self.num_nodes, self.memory.device)
 
     def _alloc(self, n: int, device: torch.device | None = None) -> None:
         f64 = dict(dtype=torch.float64, device=device)
@@ -106,14 +96,13 @@ class TGNMemory(nn.Module):
             old = getattr(self, name)
             pad = old.new_zeros((extra,) + tuple(old.shape[1:]))
             setattr(self, name, torch.cat([old, pad]))
-        if self.changed is not None:
-            self.changed = torch.cat([self.changed, self.changed.new_ones(extra)])
+        self.changed.grew(extra)
 
     def reset(self) -> None:
         """Empty memory and messages (start of an epoch over the stream)."""
         for name in ("memory", "last_update", "has_msg", "msg_other", "msg_t", "msg_feat"):
             getattr(self, name).zero_()
-        self.changed = None
+        self.changed.forget()
 
     # ---- per batch ------------------------------------------------------------------------
 
@@ -145,13 +134,14 @@ class TGNMemory(nn.Module):
         """Write back what `updated(ids)` returned; `ids` must be unique."""
         loc = self._r(ids)
         mem = mem.detach().to(self.memory.dtype)
-        if self.changed is not None:  # rows whose bytes change (not every row written)
+        mask = self.changed.mask
+        if mask is not None:  # rows whose bytes change (not every row written)
             moved = self.has_msg.index_select(0, loc)
             moved |= row_bits(self.memory.index_select(0, loc)).ne(row_bits(mem)).any(1)
             moved |= row_bits(self.last_update.index_select(0, loc).unsqueeze(1)).ne(
                 row_bits(last.to(self.last_update.dtype).unsqueeze(1))).any(1)  # fmt: skip
             # (no host sync: ids are distinct, each row keeps its mark or takes this one)
-            self.changed.index_copy_(0, loc, self.changed.index_select(0, loc) | moved)
+            mask.index_copy_(0, loc, mask.index_select(0, loc) | moved)
         self.memory.index_copy_(0, loc, mem)
         self.last_update.index_copy_(0, loc, last)
         self.has_msg.index_fill_(0, loc, False)
@@ -179,7 +169,7 @@ class TGNMemory(nn.Module):
             uniq, row = latest_rows(node.index_select(0, keep), times.index_select(0, keep))
             row = keep.index_select(0, row)
         loc = self._r(uniq)
-        self._mark(loc)
+        self.changed.mark(loc)
         self.has_msg.index_fill_(0, loc, True)
         self.msg_other.index_copy_(0, loc, other.index_select(0, row))
         self.msg_t.index_copy_(0, loc, times.index_select(0, row))
@@ -196,7 +186,7 @@ class TGNMemory(nn.Module):
 
     def load_state_tensors(self, state: dict[str, torch.Tensor]) -> None:
         state = {k: v.clone().to(getattr(self, k).device) for k, v in state.items()}
-        self.changed = mark_replaced(self.changed, self.tables(), state)
+        self.changed.replaced(self.tables(), state)
         for k, v in state.items():
             setattr(self, k, v)
 
@@ -205,4 +195,4 @@ class TGNMemory(nn.Module):
         if key in state_dict:
             self.grow(state_dict[key].shape[0])
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-        self.changed = None
+        self.changed.forget()

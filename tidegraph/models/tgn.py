@@ -49,7 +49,7 @@ class MemoryModel(TemporalModel):
         return self.memory.take_changed()
 
     def return_changed(self, changed: torch.Tensor | None) -> None:
-        self.memory.return_changed(changed)
+        self.memory.changed.give_back(changed)
 
     def extra_state_ids(self, ids: torch.Tensor, tables: dict) -> torch.Tensor | None:
         """Sources of pending messages among `ids`: their memory is read too."""
