@@ -141,6 +141,17 @@ class DeltaTables:
         self.chains[name] = (base, (), 0)
         return base
 
+    def put_tables(self, store: str, tables: dict, model, have: set[str]) -> dict:
+        """`tables` (name -> table, node state of `model`) as `put` writes them, with the
+        rows `model.take_changed()` reports; when a write fails those rows go back to the
+        model (`return_changed`): they count as changed at the next checkpoint."""
+        changed = model.take_changed()
+        try:
+            return {name: self.put(store, name, t, changed, have) for name, t in tables.items()}
+        except BaseException:
+            model.return_changed(changed)
+            raise
+
     def forget(self) -> None:
         """The tables were replaced (a load): their next writes are whole."""
         self.chains = {}

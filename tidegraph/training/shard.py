@@ -296,15 +296,8 @@ class ShardCore:
             self._pieces = (store, pieces, self.graph.eid_end)
             state["graph"] = self.graph.piece_state(pieces)
         if self.node_state is not None:  # the rows changed since the last checkpoint
-            model = self.node_state.model
-            changed = model.take_changed()
             tables = state["node_state"]["tables"]
-            try:
-                for name, table in tables.items():
-                    tables[name] = self._deltas.put(store, name, table, changed, have)
-            except BaseException:  # not written: its rows count as changed at the next one
-                model.return_changed(changed)
-                raise
+            tables.update(self._deltas.put_tables(store, tables, self.node_state.model, have))
         return put_state(store, state, have=have)
 
     def load_chunks(self, state: dict, store: str) -> None:

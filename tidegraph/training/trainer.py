@@ -449,13 +449,8 @@ class TrainerCore:
         tables = {t.data_ptr() for t in self.model.state_tables().values() if t.numel()}
         keys = [k for k, v in model.items() if v.numel() and v.data_ptr() in tables]
         if keys:
-            changed = self.model.take_changed()
-            try:
-                for key in keys:
-                    model[key] = self._deltas.put(store, key, model[key], changed, have)
-            except BaseException:  # not written: its rows count as changed at the next one
-                self.model.return_changed(changed)
-                raise
+            tables = {k: model[k] for k in keys}
+            model.update(self._deltas.put_tables(store, tables, self.model, have))
         return put_state(store, state, have=have)
 
     def state_dict(self) -> dict:
