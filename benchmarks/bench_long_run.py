@@ -30,8 +30,9 @@ import ray  # noqa: E402
 import torch  # noqa: E402
 
 from tidegraph.orchestrator import Orchestrator, RunState  # noqa: E402
+from tidegraph.orchestrator.cluster import loopback_cluster  # noqa: E402
 from tidegraph.orchestrator.rundir import RunDir  # noqa: E402
-from tidegraph.runtime import set_determinism  # noqa: E402
+from tidegraph.runtime import set_determinism, tune_host_allocator  # noqa: E402
 from tidegraph.storage.events import EventBatch  # noqa: E402
 from tidegraph.training import RunConfig  # noqa: E402
 
@@ -70,7 +71,9 @@ def config(args, storage: str) -> RunConfig:
         "sampler": {"fanouts": [5]},
         "train": {"batch_size": args.batch},
         "continual": {"forget_sample": 200},
-        "cluster": {"backend": "ray", "shards": args.shards, "trainers": args.trainers},
+        "cluster": {"backend": "ray", "shards": args.shards, "trainers": args.trainers,
+                    **({"trainer_resources": {"work": 1}, "shard_resources": {"work": 1}}
+                       if args.layout == "head" else {})},
         "run_name": "long", "storage": storage, "out_dir": None, "progress": False,
         "checkpoint_every": 1, **({"keep_checkpoints": args.keep} if args.keep else {}),
     })  # fmt: skip
@@ -83,6 +86,35 @@ def rss_bytes(field: str = "VmRSS") -> int:
         if line.startswith(f"{field}:"):
             return int(line.split()[1]) * 1024
     return 0
+
+
+def plasma_used_bytes() -> int:
+    """Bytes in use in the object store of the driver's node (its raylet's store stats)."""
+    from ray._private.internal_api import get_memory_info_reply, get_state_from_address
+
+    reply = get_memory_info_reply(get_state_from_address(ray.get_runtime_context().gcs_address))
+    return int(reply.store_stats.object_store_bytes_used)
+
+
+def driver_refs() -> int:
+    """Object refs the driver's core worker counts (held by it or borrowed)."""
+    return len(ray._private.worker.global_worker.core_worker.get_all_reference_counts())
+
+
+def held_tensors(top: int = 12) -> dict:
+    """The tensors the driver's Python objects hold (`--diag`): total bytes of their distinct
+    storages and the largest ones (shape, dtype, MB), to tell a table that grows from heap
+    the allocator keeps."""
+    import gc
+
+    seen: dict[int, tuple[int, str]] = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and not obj.is_meta:
+            st = obj.untyped_storage()
+            seen[st.data_ptr()] = (st.nbytes(), f"{tuple(obj.shape)} {obj.dtype}")
+    largest = sorted(seen.values(), reverse=True)[:top]
+    return {"tensor_mb": sum(n for n, _ in seen.values()) / 2**20, "tensors": len(seen),
+            "largest": [f"{d} {n / 2**20:.2f}" for n, d in largest]}  # fmt: skip
 
 
 def files(root: Path) -> dict[str, tuple[int, int]]:
@@ -109,13 +141,31 @@ def main() -> None:
     p.add_argument("--shards", type=int, default=2)
     p.add_argument("--trainers", type=int, default=2)
     p.add_argument("--keep", type=int, default=0, help="--keep-checkpoints (0: the default)")
+    p.add_argument(
+        "--layout",
+        choices=("one", "head"),
+        default="one",
+        help="one: a single Ray node; head: the driver alone on a head node, the "
+        "shards and trainers on a second node (a cluster's layout, on this machine)",
+    )
+    p.add_argument(
+        "--diag",
+        type=int,
+        default=0,
+        help="every DIAG increments, record the tensors the driver holds",
+    )
     p.add_argument("--label", default="", help="names the output (e.g. a commit)")
     p.add_argument("--storage", default=None, help="keep the run directory here (default: a "
                    "temporary one, deleted at the end)")  # fmt: skip
     args = p.parse_args()
     set_determinism(0, threads=1)
-    ray.init(address="local", _node_ip_address="127.0.0.1", num_cpus=8,
-             include_dashboard=False, configure_logging=False)  # fmt: skip
+    tune_host_allocator()  # as the job does
+    cluster = None
+    if args.layout == "head":
+        cluster, _ = loopback_cluster([8], "long-run", resources=[{}, {"work": 100}])
+    else:
+        ray.init(address="local", _node_ip_address="127.0.0.1", num_cpus=8,
+                 include_dashboard=False, configure_logging=False)  # fmt: skip
     rows = []
     with tempfile.TemporaryDirectory(prefix="tidegraph-long-") as tmp:
         storage = args.storage or tmp
@@ -167,6 +217,7 @@ def main() -> None:
                     "driver_rss_mb": rss_bytes() / 2**20,
                     "driver_anon_mb": rss_bytes("RssAnon") / 2**20,
                     "driver_shmem_mb": rss_bytes("RssShmem") / 2**20,
+                    "plasma_used_mb": plasma_used_bytes() / 2**20, "driver_refs": driver_refs(),
                     "step_s": step_s,
                     "ingest_s": timing["ingest"], "checkpoint_s": timing["checkpoint"],
                     "eval_s": n / record["eval_events_per_s"],
@@ -176,6 +227,8 @@ def main() -> None:
                     "run_dir_mb": du(run_path) / 2**20,
                     "ap": record["ap"],
                 })  # fmt: skip
+                if args.diag and done % args.diag == 0:
+                    rows[-1]["held"] = held_tensors()
                 timing.update(ingest=0.0, checkpoint=0.0)
                 print(json.dumps({k: round(v, 3) if isinstance(v, float) else v
                                   for k, v in rows[-1].items()}), flush=True)  # fmt: skip
@@ -184,16 +237,20 @@ def main() -> None:
         finally:
             orch.close()
             ray.shutdown()
+            if cluster is not None:
+                cluster.shutdown()
     tenth = max(1, len(rows) // 10)
     first, last = rows[:tenth], rows[-tenth:]
     mean = lambda rs, k: sum(r[k] for r in rs) / len(rs)  # noqa: E731
     summary = {k: {"first_tenth": mean(first, k), "last_tenth": mean(last, k),
                    "ratio": mean(last, k) / max(mean(first, k), 1e-9)}
-               for k in ("driver_rss_mb", "driver_anon_mb", "checkpoint_written_mb",
+               for k in ("driver_rss_mb", "driver_anon_mb", "driver_shmem_mb", "plasma_used_mb",
+                         "driver_refs", "checkpoint_written_mb",
                          "checkpoints_on_disk_mb", "step_s", "checkpoint_s")}  # fmt: skip
     summary["wall_s"] = time.perf_counter() - t_start
     print(json.dumps(summary, indent=1))
-    name = f"long_run_{args.increments}x{args.events_per_increment}{args.label}.json"
+    layout = "" if args.layout == "one" else f"_{args.layout}"
+    name = f"long_run_{args.increments}x{args.events_per_increment}{layout}{args.label}.json"
     write_json(name, {"args": vars(args), "machine": machine(), "summary": summary,
                       "rows": rows})  # fmt: skip
 

@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from tidegraph.runtime import tune_host_allocator
+from tidegraph.runtime import release_free_memory, tune_host_allocator
 
 
 def test_host_allocator_tuning_applies_on_glibc():
@@ -16,6 +16,27 @@ def test_host_allocator_tuning_applies_on_glibc():
     assert int(big.sum()) == 64 << 20
     del big
     assert int(torch.ones(64 << 20, dtype=torch.uint8).sum()) == 64 << 20
+
+
+def _anon_bytes() -> int:
+    for line in open("/proc/self/status").read().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no RssAnon in /proc/self/status")
+
+
+def test_free_heap_goes_back_to_the_os_between_increments():
+    glibc = sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
+    if not glibc:
+        assert release_free_memory() is False
+        return
+    assert tune_host_allocator()  # freed memory up to 1 GiB stays in the process...
+    big = torch.ones(96 << 20, dtype=torch.uint8)
+    assert int(big.sum()) == 96 << 20
+    del big
+    kept = _anon_bytes()
+    assert release_free_memory()  # ...until the driver gives it back
+    assert kept - _anon_bytes() >= 64 << 20
 
 
 def test_generator_state_restores_exactly_or_reseeds_from_another_device(caplog):

@@ -19,6 +19,10 @@ mmap threshold (128 KiB at start, adapting upwards only as such blocks are freed
 which allocates and frees many tensors of 0.1-10 MB, faults the same pages in again batch after
 batch, in kernel time (measured in benchmarks/RESULTS.md). Freed memory up to
 `trim_threshold` stays in the process.
+
+`release_free_memory` gives it back: the driver calls it between increments, so what an
+increment allocated and freed (its window, its passes' slices and results, a checkpoint's
+state) does not stay in the head node's memory for the rest of a run that may last weeks.
 """
 
 from __future__ import annotations
@@ -29,7 +33,12 @@ import sys
 
 import torch
 
-__all__ = ["inductor_determinism", "set_determinism", "tune_host_allocator"]
+__all__ = [
+    "inductor_determinism",
+    "release_free_memory",
+    "set_determinism",
+    "tune_host_allocator",
+]
 
 log = logging.getLogger(__name__)
 
@@ -37,17 +46,34 @@ _M_TRIM_THRESHOLD = -1  # glibc's mallopt parameters
 _M_MMAP_THRESHOLD = -3
 
 
-def tune_host_allocator(mmap_threshold: int = 256 << 20, trim_threshold: int = 1 << 30) -> bool:
-    """Raise glibc's mmap and trim thresholds; returns whether they were set (glibc only)."""
+def _libc():
+    """glibc, or None (another platform, or another C library: musl has no mallopt)."""
     if not sys.platform.startswith("linux"):
-        return False
+        return None
     try:
         libc = ctypes.CDLL("libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
+    except OSError:
+        return None
+    return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
+
+
+def release_free_memory() -> bool:
+    """Return the heap's free pages to the OS (glibc's `malloc_trim(0)`, which ignores the
+    trim threshold and releases free pages inside the heap too); whether it could (glibc)."""
+    libc = _libc()
+    if libc is None:
         return False
-    ok = mallopt(_M_MMAP_THRESHOLD, mmap_threshold) == 1
-    ok = mallopt(_M_TRIM_THRESHOLD, trim_threshold) == 1 and ok
+    libc.malloc_trim(0)
+    return True
+
+
+def tune_host_allocator(mmap_threshold: int = 256 << 20, trim_threshold: int = 1 << 30) -> bool:
+    """Raise glibc's mmap and trim thresholds; returns whether they were set (glibc only)."""
+    libc = _libc()
+    if libc is None:
+        return False
+    ok = libc.mallopt(_M_MMAP_THRESHOLD, mmap_threshold) == 1
+    ok = libc.mallopt(_M_TRIM_THRESHOLD, trim_threshold) == 1 and ok
     log.debug("host allocator thresholds %s", "raised" if ok else "unchanged")
     return ok
 

@@ -42,6 +42,7 @@ from collections.abc import Callable
 from tidegraph.orchestrator.backend import make_group
 from tidegraph.recovery.policy import NoReplicaLeft
 from tidegraph.recovery.updatelog import drop_steps_before, logged_steps
+from tidegraph.runtime import release_free_memory
 from tidegraph.storage.events import EventBatch
 from tidegraph.storage.idmap import IdMap
 from tidegraph.timeline import keep_overlapping, timeline_meta
@@ -243,6 +244,7 @@ class Orchestrator:
             k = learner.cursor.increment
             if k % self.config.checkpoint_every == 0 or learner.done:
                 self._checkpoint(f"increment-{k:05d}")
+            release_free_memory()  # what the increment freed leaves the head node
             return RunState.RUNNING
         if self.source is not None:
             got = self.source.next_events(self.follow_timeout)
