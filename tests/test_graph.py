@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from reference import ReferenceGraph, twin_graphs
 
 from tidegraph.storage import DynamicGraph
+from tidegraph.storage.checkpoint import unpack_rows
 
 
 def _neighbors(g: DynamicGraph, node: int):
@@ -188,7 +189,7 @@ def test_pieces_written_once_bring_the_segments_back_bitwise(data, add_reverse, 
             end = g.eid_end
     if g.eid_end > end:
         pieces.append(g.rows_since(end))
-    assert g.ordered and sum(p.shape[0] for p in pieces) == g.num_stored_edges
+    assert g.ordered and sum(p["rows"].shape[0] for p in pieces) == g.num_stored_edges
     h = DynamicGraph(add_reverse=add_reverse)
     h.load_state_dict(g.piece_state(pieces))
     _same_segments(h, g)
@@ -196,6 +197,45 @@ def test_pieces_written_once_bring_the_segments_back_bitwise(data, add_reverse, 
         x.add_edges([3, 0], [0, 3], [2.0, 50.0])
     _same_segments(h, g)
     assert h.spans == g.spans
+
+
+def test_pieces_are_narrow_while_ids_fit_and_wide_or_old_pieces_load_too():
+    """A piece costs 20 bytes an edge (int32 node, nbr and eid offset, float64 time) while
+    ids and its eids fit in int32, 32 otherwise; pieces written before narrow ones (bare
+    32-byte rows, absolute eids) load as the same segments."""
+    from tidegraph.storage.checkpoint import pack_rows
+
+    g = DynamicGraph(add_reverse=True)
+    g.add_edges([0, 1, 2], [1, 2, 0], [1.0, 2.0, 2.0])
+    first = g.rows_since(0)
+    g.add_edges([2, 3], [3, 0], [2.0, 4.0])
+    second = g.rows_since(3)
+    assert (first["lo"], second["lo"]) == (0, 3)
+    assert first["rows"].shape == (6, 20) and second["rows"].shape == (4, 20)
+    h = DynamicGraph(add_reverse=True)
+    h.load_state_dict(g.piece_state([first, second]))
+    _same_segments(h, g)
+
+    old = []  # the same pieces as checkpoints before narrow pieces held them
+    for piece in (first, second):
+        node, nbr, t, eid = unpack_rows(piece["rows"], [torch.int32, torch.int32,
+                                                        torch.float64, torch.int32])  # fmt: skip
+        old.append(pack_rows([node.long(), nbr.long(), t, eid.long() + piece["lo"]]))
+    h = DynamicGraph(add_reverse=True)
+    h.load_state_dict(g.piece_state(old))
+    _same_segments(h, g)
+
+    big = 2**31 + 5  # an id past int32: wide rows
+    w = DynamicGraph(add_reverse=False)
+    w.add_edges(torch.tensor([big, 0]), torch.tensor([1, big]), [1.0, 3.0])
+    piece = w.rows_since(0)
+    assert piece["rows"].shape == (2, 32)
+    h = DynamicGraph(add_reverse=False)
+    h.load_state_dict(w.piece_state([piece]))
+    _same_segments(h, w)
+    with pytest.raises(ValueError, match="a piece has rows of 12 bytes"):
+        cut = {"lo": 0, "rows": piece["rows"][:, :12]}
+        DynamicGraph(add_reverse=False).load_state_dict(w.piece_state([cut]))
 
 
 def test_batches_out_of_eid_order_keep_segments_as_state():

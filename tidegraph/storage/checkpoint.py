@@ -404,7 +404,7 @@ def unpack_rows(rows: torch.Tensor, dtypes: list[torch.dtype]) -> list[torch.Ten
     out, at = [], 0
     for dtype in dtypes:
         width = torch.empty(0, dtype=dtype).element_size()
-        out.append(rows[:, at : at + width].contiguous().view(dtype).reshape(-1))
+        out.append(rows[:, at : at + width].reshape(-1).view(dtype))  # a copy, or 1 row
         at += width
     return out
 

@@ -228,17 +228,27 @@ class DynamicGraph:
         """One past the eids of the batches added so far (0: none)."""
         return self.spans[-1][1] if self.spans else 0
 
-    def rows_since(self, lo: int) -> torch.Tensor:
+    def rows_since(self, lo: int) -> dict:
         """The edges of eid `lo` and above (the batches added since the one that ended at
-        `lo`), a piece: rows of (node, nbr, t, eid) packed by `pack_rows`, on the host."""
+        `lo`), a piece: {"lo": lo, "rows": rows of (node, nbr, t, eid) packed by `pack_rows`,
+        on the host}. Rows are 20 bytes (node and nbr int32, t float64, eid - lo int32) while
+        ids and the piece's eids fit in int32, else 32 (int64 node, nbr and eid)."""
+        narrow = self.num_nodes <= _INT32_MAX and self.eid_end - lo <= _INT32_MAX
         parts = []
         for seg in self.segments:  # each batch lies in one segment, its edges in their order
             seg = seg.host if seg.host is not None else seg
             keep = (seg.eid >= lo).nonzero().squeeze(1)
             if keep.numel():
-                cols = (seg.expanded_nodes(), seg.nbr.long(), seg.t, seg.eid)
-                parts.append(pack_rows([c.index_select(0, keep).cpu() for c in cols]))
-        return torch.cat(parts) if parts else torch.empty(0, 32, dtype=torch.uint8)
+                node, nbr, t, eid = (c.index_select(0, keep).cpu() for c in
+                                     (seg.expanded_nodes(), seg.nbr, seg.t, seg.eid))  # fmt: skip
+                if narrow:
+                    cols = (node.int(), nbr.int(), t, (eid - lo).int())
+                else:
+                    cols = (node, nbr.long(), t, eid)
+                parts.append(pack_rows(list(cols)))
+        width = _NARROW if narrow else _WIDE
+        rows = torch.cat(parts) if parts else torch.empty(0, _row_bytes(width), dtype=torch.uint8)
+        return {"lo": lo, "rows": rows}
 
     def piece_state(self, pieces: list) -> dict:
         """The state as `pieces` (every `rows_since` from 0 to `eid_end`, in order, or refs
@@ -282,26 +292,75 @@ class DynamicGraph:
         ]
 
     def _load_pieces(self, pieces: list, spans: list[tuple[int, int]]) -> None:
-        """The segments again from pieces: each batch's edges (those of eids in its span)
-        built into its segment, added and merged in order as `add_edges` did."""
-        rows = torch.cat(pieces) if pieces else torch.empty(0, 32, dtype=torch.uint8)
-        node, nbr, t, eid = unpack_rows(rows, [torch.int64, torch.int64, torch.float64,
-                                               torch.int64])  # fmt: skip
+        """The segments again from pieces: each batch's edges (those of eids in its span),
+        grouped as adding the batches one by one and merging them as the counter says did
+        (`_counter_groups`), each group built into its segment at once: a merged segment
+        holds its edges sorted by (node, t), ties in batch order and, within a batch, in
+        insertion order, which is what building it from its batches' edges in that order
+        gives, bitwise."""
+        node, nbr, t, eid = _piece_columns(pieces)
         los = torch.tensor([lo for lo, _ in spans], dtype=torch.int64)
         batch = torch.searchsorted(los, eid, right=True) - 1
         counts = torch.bincount(batch.clamp(min=0), minlength=len(spans))
         his = torch.tensor([hi for _, hi in spans], dtype=torch.int64)
         stored = self.num_edges * (2 if self.add_reverse else 1)
-        if rows.shape[0] != stored or bool((batch < 0).any() | (eid >= his[batch]).any()):
-            raise ValueError(f"graph state: its pieces hold {rows.shape[0]} edges, not the "
+        if eid.numel() != stored or bool((batch < 0).any() | (eid >= his[batch]).any()):
+            raise ValueError(f"graph state: its pieces hold {eid.numel()} edges, not the "
                              f"{stored} of its {len(spans)} batches' spans")  # fmt: skip
         order = torch.argsort(batch, stable=True)  # a batch's edges keep their order
         where = "cpu" if self.placement == "pinned" else self.device
-        self.segments, self.spans = [], []
-        sizes = counts.tolist()
+        groups = _counter_groups(counts.tolist())
+        sizes = [size for size, _ in groups]
         cols = [x.index_select(0, order).to(where).split(sizes) for x in (node, nbr, t, eid)]
-        for i, span in enumerate(spans):
-            self._append(self._place(Segment.build(*(c[i] for c in cols))), span)
+        self.segments, self.spans = [], list(spans)
+        for i, (_, merged) in enumerate(groups):
+            built = Segment.build(*(c[i] for c in cols), time_ordered=not merged)
+            self.segments.append(self._place(built))
+
+
+_INT32_MAX = 2**31 - 1
+_NARROW = (torch.int32, torch.int32, torch.float64, torch.int32)  # eid - the piece's lo
+_WIDE = (torch.int64, torch.int64, torch.float64, torch.int64)
+
+
+def _row_bytes(dtypes) -> int:
+    return sum(torch.empty(0, dtype=d).element_size() for d in dtypes)
+
+
+def _piece_columns(pieces: list) -> tuple[torch.Tensor, ...]:
+    """(node, nbr, t, eid) of every edge of `pieces`, in order, as int64 and float64: pieces
+    of `rows_since` ({"lo", "rows"} of 20- or 32-byte rows) or, as checkpoints before
+    narrow pieces wrote them, 32-byte rows alone."""
+    cols: list[list[torch.Tensor]] = [[], [], [], []]
+    for piece in pieces:
+        lo, rows = (piece["lo"], piece["rows"]) if isinstance(piece, dict) else (0, piece)
+        narrow = rows.shape[1] == _row_bytes(_NARROW)
+        if not narrow and rows.shape[1] != _row_bytes(_WIDE):
+            raise ValueError(f"graph state: a piece has rows of {rows.shape[1]} bytes, not "
+                             f"{_row_bytes(_NARROW)} or {_row_bytes(_WIDE)}")  # fmt: skip
+        node, nbr, t, eid = unpack_rows(rows, list(_NARROW if narrow else _WIDE))
+        for out, x in zip(cols, (node.long(), nbr.long(), t, eid.long() + (lo if narrow else 0)),
+                          strict=True):  # fmt: skip
+            out.append(x)
+    if not pieces:
+        return (torch.empty(0, dtype=torch.int64),) * 2 + (
+            torch.empty(0, dtype=torch.float64),
+            torch.empty(0, dtype=torch.int64),
+        )
+    return tuple(torch.cat(c) for c in cols)
+
+
+def _counter_groups(sizes: list[int]) -> list[tuple[int, bool]]:
+    """The segments that adding batches of `sizes` edges one at a time leaves, as `_compact`
+    merges them (the newest two while the older is no larger): (edges, merged) of each, oldest
+    first; each holds a run of consecutive batches. A loop per batch over counts only."""
+    out: list[list] = []
+    for size in sizes:
+        out.append([size, False])
+        while len(out) >= 2 and out[-2][0] <= out[-1][0]:
+            newer = out.pop()
+            out[-1] = [out[-1][0] + newer[0], True]
+    return [(size, merged) for size, merged in out]
 
 
 def _as_tensor(x, name: str, device: torch.device) -> torch.Tensor:

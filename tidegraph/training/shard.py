@@ -306,7 +306,8 @@ class ShardCore:
         pieces are kept by reference for the next checkpoints to that store."""
         self.load_state_dict(CheckpointStore.at(store).resolve(state))
         pieces = state["graph"].get("pieces")
-        if pieces is not None and all(isinstance(p, TensorRef) for p in pieces):
+        rows = [p["rows"] if isinstance(p, dict) else p for p in pieces or ()]
+        if pieces is not None and all(isinstance(r, TensorRef) for r in rows):
             self._pieces = (store, list(pieces), self.graph.eid_end)
 
     def state_dict(self) -> dict:
