@@ -301,7 +301,9 @@ class Orchestrator:
             return
         learner = self.learner
         # the shards and trainers write their bulk themselves where they reach the storage
-        state = {"learner": learner.state_dict(self._actor_store()), "log_offset": learner.ingested,
+        own = self.run_dir.checkpoint_uri  # the driver's part: here, the reservoir's base once
+        state = {"learner": learner.state_dict(self._actor_store(), own),
+                 "log_offset": learner.ingested,
                  "config": self.config.to_dict(),
                  "source": None if self.source is None else self.source.state_dict()}  # fmt: skip
         if self.source is not None:  # the stream's layout, to rebuild it from the event log

@@ -395,8 +395,9 @@ def _chunked(t: torch.Tensor, inline: int = INLINE) -> bool:
 def pack_rows(cols: list[torch.Tensor]) -> torch.Tensor:
     """Rows [n, bytes]: the bytes of the 1-D columns' rows side by side (a table that grows
     at its end as one tensor: one chunk's tail rewritten per checkpoint, not one per column)."""
-    n = cols[0].numel()
-    return torch.cat([c.contiguous().view(torch.uint8).reshape(n, -1) for c in cols], 1)
+    n = cols[0].shape[0]
+    return torch.cat([c.contiguous().view(torch.uint8).reshape(n, c.element_size()) for c in cols],
+                     1)  # fmt: skip
 
 
 def unpack_rows(rows: torch.Tensor, dtypes: list[torch.dtype]) -> list[torch.Tensor]:

@@ -433,11 +433,13 @@ class ContinualLearner:
 
     # ---- state ----------------------------------------------------------------------------
 
-    def state_dict(self, store: str | None = None) -> dict:
+    def state_dict(self, store: str | None = None, own_store: str | None = None) -> dict:
         """{"orchestrator": ..., "group": {"partitioner", "shards", "trainers"}}; `store`: a
         checkpoint store the group's pieces write their large tensors to (refs in their
-        place), where they can."""
-        return {"orchestrator": self.orchestrator_state(), "group": self.group.state_dict(store)}
+        place), where they can; `own_store`: the one this state is saved to (the replay
+        reservoir's base is written there once)."""
+        return {"orchestrator": self.orchestrator_state(own_store),
+                "group": self.group.state_dict(store)}  # fmt: skip
 
     def load_state_dict(self, state: dict, store: str | None = None) -> None:
         """`store`: the group's shard and trainer states may hold refs to the checkpoint
@@ -445,7 +447,7 @@ class ContinualLearner:
         self.group.load_state_dict(state["group"], store)
         self.load_orchestrator_state(state["orchestrator"])
 
-    def orchestrator_state(self) -> dict:
+    def orchestrator_state(self, store: str | None = None) -> dict:
         return {
             "cursor": self.cursor.state_dict(),
             "num_nodes": self.num_nodes,
@@ -456,7 +458,7 @@ class ContinualLearner:
             "rebatches": list(self.rebatches),
             "slot_precision": self.slot_precision,
             "idmap": self.stream.idmap.state_dict(),  # external -> dense node ids
-            "old_events": self.history_events.state_dict(),
+            "old_events": self.history_events.state_dict(store),
             # the pass under way (not its progress bar; wall-clock stamps restart on load)
             "pass": {k: _resolved(v) for k, v in self.pass_state.items() if k != "bar"},
         }

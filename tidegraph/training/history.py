@@ -110,8 +110,10 @@ class EventHistory:
             if hi > lo:
                 self.ingested(self.read(lo, hi), partitioner, num_nodes)
 
-    def state_dict(self) -> dict:
-        return {"reservoir": self.reservoir.state_dict(), "degree": self.degree.clone(),
+    def state_dict(self, store: str | None = None) -> dict:
+        """`store`: the checkpoint store it is saved to (the reservoir's base is written
+        there once, then referenced)."""
+        return {"reservoir": self.reservoir.state_dict(store), "degree": self.degree.clone(),
                 "tally": self.tally.state_dict()}  # fmt: skip
 
     def load_state_dict(self, state: dict) -> None:

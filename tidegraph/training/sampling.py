@@ -18,12 +18,10 @@ uniform sample of the history of bounded size) and a loss weight for each:
 
 from __future__ import annotations
 
-from dataclasses import fields
-
 import torch
 
 from tidegraph.rng import load_generator_state
-from tidegraph.storage.checkpoint import pack_rows, unpack_rows
+from tidegraph.storage.checkpoint import CheckpointStore, pack_rows, put_state, unpack_rows
 from tidegraph.storage.events import EventBatch
 
 __all__ = [
@@ -76,17 +74,27 @@ class ReplayReservoir:
     as they were when the last compaction took place) and a patch, the replacements since
     then (slot and event, one packed row each, in order), which only grows at the end. When
     the patch reaches `capacity // 4` rows, the base is taken again and the patch emptied.
-    Memory: 32 bytes an event for the events, as much for the base once full, and at most 10
-    bytes an event for the patch."""
+    While filling, the events are saved as packed rows too (one table growing at its end).
+    Given the checkpoint store it is saved to (`state_dict(store)`), the base is written there
+    once and leaves memory: later checkpoints reference it, and a state without a store (or
+    for another) reads it back. Memory: 32 bytes an event, and at most 10 bytes an event for
+    the patch (the base is held from a compaction to the next checkpoint only)."""
 
     def __init__(self, capacity: int, seed: int) -> None:
         self.capacity = capacity
         self.generator = torch.Generator().manual_seed(seed)
         self.events: EventBatch | None = None
         self.seen = 0  # events added so far
-        self.base: EventBatch | None = None  # the events at the last compaction (once full)
+        self.base: EventBatch | None = None  # the events at the last compaction, until written
+        self._written: tuple[str, dict] | None = None  # (store, refs) of the base written there
         self._patch: list[torch.Tensor] = []  # packed rows (slot, event) since the base
         self._patch_rows = 0
+        self.compactions = 0
+
+    @property
+    def full(self) -> bool:
+        """Whether replacements began (the state is a base and a patch)."""
+        return self.base is not None or self._written is not None
 
     @property
     def size(self) -> int:
@@ -119,7 +127,7 @@ class ReplayReservoir:
         """Slots `where` (distinct) take events `new`, recorded in the patch."""
         if where.numel() == 0:
             return
-        if self.base is None:  # the first replacement: the events so far are the base
+        if not self.full:  # the first replacement: the events so far are the base
             self._compact()
         for name, mine in _columns(self.events):
             mine[where] = getattr(new, name)
@@ -131,20 +139,41 @@ class ReplayReservoir:
     def _compact(self) -> None:
         """The events now become the base (never changed again: what `state_dict` returned
         stays as it was) and replacements go to a copy; the patch is emptied."""
-        self.base = self.events
+        self.base, self._written = self.events, None
         self.events = EventBatch(**{name: col.clone() for name, col in _columns(self.base)})
         self._patch, self._patch_rows = [], 0
+        self.compactions += 1
 
-    def state_dict(self) -> dict:
+    def state_dict(self, store: str | None = None) -> dict:
+        """The state; `store`: the checkpoint store (URI) it is saved to, where the base is
+        written once and referenced from then on (refs in place of its tensors)."""
         ev = self.events
         if len(self._patch) > 1:  # one tensor: it grows at its end between checkpoints
             self._patch = [torch.cat(self._patch)]
+        filling = ev is not None and not self.full
         return {"capacity": self.capacity, "seen": self.seen,
                 "generator": self.generator.get_state(),
-                # while filling, the events themselves; once full, the base and the patch
-                "events": None if ev is None or self.base is not None else _fields(ev),
-                "base": None if self.base is None else dict(_columns(self.base)),
+                # while filling, the events as packed rows; once full, the base and the patch
+                "rows": pack_rows([col for _, col in _columns(ev)]) if filling else None,
+                "dtypes": None if ev is None else [str(col.dtype) for _, col in _columns(ev)],
+                "base": self._base_state(store) if self.full else None,
                 "patch": self._patch[0] if self._patch else None}  # fmt: skip
+
+    def _base_state(self, store: str | None) -> dict:
+        """The base's columns: refs to chunks of `store`, written there the first time (the
+        base then leaves memory), or tensors (no store; read back from where it was written
+        when it is no longer held)."""
+        if self.base is None:
+            held, refs = self._written
+            if store == held:
+                return refs  # every checkpoint since the compaction references it: kept
+            self.base = EventBatch(**CheckpointStore.at(held).resolve(refs))
+            self._written = None
+        if store is None:
+            return dict(_columns(self.base))
+        refs = put_state(store, dict(_columns(self.base)), inline=0)
+        self.base, self._written = None, (store, refs)
+        return refs
 
     def load_state_dict(self, state: dict) -> None:
         self.capacity, self.seen = state["capacity"], state["seen"]
@@ -153,16 +182,18 @@ class ReplayReservoir:
         patch = state.get("patch")
         self._patch = [] if patch is None else [patch.to("cpu").clone()]
         self._patch_rows = 0 if patch is None else int(patch.shape[0])
+        self._written = None
         if base is None:  # filling (or a checkpoint written before the patch)
-            ev = state["events"]
             self.base = None
-            self.events = (
-                None
-                if ev is None
-                else EventBatch(
-                    **{k: None if v is None else v.to("cpu").clone() for k, v in ev.items()}
-                )
-            )
+            rows, ev = state.get("rows"), state.get("events")  # events: before packed rows
+            if rows is not None:
+                dtypes = [getattr(torch, d.removeprefix("torch.")) for d in state["dtypes"]]
+                self.events = EventBatch(*unpack_rows(rows.to("cpu"), dtypes))
+            elif ev is not None:
+                own = {k: None if v is None else v.to("cpu").clone() for k, v in ev.items()}
+                self.events = EventBatch(**own)
+            else:
+                self.events = None
             return
         self.base = EventBatch(**{k: base[k].to("cpu").clone() for k in _COLUMNS})
         self.events = EventBatch(**{name: col.clone() for name, col in _columns(self.base)})
@@ -181,10 +212,6 @@ _COLUMNS = ("src", "dst", "t", "eid")  # which event: all the reservoir keeps
 
 def _columns(ev: EventBatch) -> list[tuple[str, torch.Tensor]]:
     return [(name, getattr(ev, name)) for name in _COLUMNS]
-
-
-def _fields(ev: EventBatch) -> dict:
-    return {f.name: getattr(ev, f.name) for f in fields(EventBatch)}
 
 
 class UniformReplay:
