@@ -301,3 +301,23 @@ def test_a_kill_anywhere_in_a_write_leaves_the_newest_whole_checkpoint_loadable(
         "index.json", "latest", "third.pt"]  # fmt: skip
     assert len([n for n in files if n.startswith("blobs/")]) == 2  # x's and y's chunks
     _same(store.load(), _state(3.0))
+
+
+def test_packed_rows_unpack_at_any_row_count_and_offset():
+    """Columns of mixed widths come back from packed rows whatever the number of rows (one,
+    none) and wherever a slice of rows starts."""
+    from tidegraph.storage.checkpoint import pack_rows, unpack_rows
+
+    cols = [
+        torch.arange(5),
+        torch.arange(5) * 3,
+        torch.arange(5, dtype=torch.float32) / 2,  # the columns after it are not aligned
+        -torch.arange(5.0, dtype=torch.float64),
+    ]
+    dtypes = [c.dtype for c in cols]
+    rows = pack_rows(cols)
+    assert rows.shape == (5, 8 + 8 + 4 + 8)
+    for lo, hi in ((0, 5), (1, 2), (3, 4), (2, 2), (1, 4)):
+        got = unpack_rows(rows[lo:hi], dtypes)
+        assert all(torch.equal(g, c[lo:hi]) for g, c in zip(got, cols, strict=True)), (lo, hi)
+    assert pack_rows([c[:0] for c in cols]).shape == (0, 28)

@@ -405,7 +405,8 @@ def unpack_rows(rows: torch.Tensor, dtypes: list[torch.dtype]) -> list[torch.Ten
     out, at = [], 0
     for dtype in dtypes:
         width = torch.empty(0, dtype=dtype).element_size()
-        out.append(rows[:, at : at + width].reshape(-1).view(dtype))  # a copy, or 1 row
+        col = rows[:, at : at + width].clone(memory_format=torch.contiguous_format)
+        out.append(col.view(dtype).reshape(-1))  # its own, aligned storage
         at += width
     return out
 

@@ -14,10 +14,11 @@ State (`state_dict`) is the segments as they are, or (`piece_state`), for checkp
 reference what earlier ones wrote, pieces: the edges added between two checkpoints, each
 written once and never again, whatever merges the segments go through later (merges rewrite
 O(log E) of the graph per batch, which a checkpoint of the segments would rewrite with them).
-Loading pieces builds each added batch's segment again (its edges: those of eids in its span)
-and merges them as adding them did, so the segments come back bitwise. This needs each batch's
-eids above those of the batches before it (`ordered`; stream positions are); otherwise only
-the segments are state.
+Loading pieces groups the batches (their edges: those of eids in their spans) as adding them
+and merging them as the counter says did, and builds each group's segment at once, which gives
+the same segments bitwise (a merged segment's edges are in (node, t, batch, insertion) order).
+This needs each batch's eids above those of the batches before it (`ordered`; stream positions
+are); otherwise only the segments are state.
 
 Placement: "cpu" and "cuda" keep every segment on that device. "pinned" keeps segments in pinned
 host memory and queries them with CUDA kernels through zero-copy views (`uva_view`): the graph
