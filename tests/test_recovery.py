@@ -19,6 +19,7 @@ from tidegraph.orchestrator.ray_group import RayGroup
 from tidegraph.orchestrator.rundir import RunDir
 from tidegraph.recovery import NoReplicaLeft
 from tidegraph.runtime import set_determinism
+from tidegraph.storage.checkpoint import CheckpointStore
 from tidegraph.training import RunConfig, load_stream
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -509,6 +510,13 @@ def test_a_lost_shard_owning_node_state_without_a_replica_replays_its_journal(
     assert [e["lost_shards"] for e in rebuilt] == [[1]] and rebuilt[0]["snapshot"]
     assert 0 < rebuilt[0]["replayed_batches"] < len(learner.group.ingests)
     assert_same_run(got, sharded_fault_free)
+    # the feature-rounding states of ingests before the newest checkpoint are gone (a rebuild
+    # starts from it): only the spans of the run's ingests stay on the driver
+    store = CheckpointStore.at(str(tmp_path / "journal" / "checkpoints"))
+    newest = store.load(store.latest(), resolve=False)
+    covered = len(newest["learner"]["group"]["ingests"])
+    held = [state is not None for *_, state in learner.group.ingests]
+    assert 0 < covered and held == [False] * covered + [True] * (len(held) - covered)
 
 
 # the default suite: a fault in the forward pass, then a SIGKILL from outside, in one run

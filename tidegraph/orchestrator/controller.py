@@ -312,6 +312,7 @@ class Orchestrator:
         step = learner.cursor.step
         with learner.group.tracer.span("checkpoint", tag=tag):
             self.run_dir.save_checkpoint(state, tag, self.config.keep_checkpoints, {"step": step})
+        learner.group.checkpointed()  # saved: what only an older rebuild needed can go
         if self.run_dir.local:  # the update log's steps before every kept checkpoint go
             oldest = min(m.get("step", 0) for m in self.run_dir.checkpoints.kept_meta())
             drop_steps_before(f"{self.run_dir.path}/updates", oldest)

@@ -109,6 +109,7 @@ class RayGroup(
         self.namespace = config.run_name or "tidegraph"
         self.num_rows = 0
         self.ingests: list[tuple] = []  # (lo, hi, feature-rounding state) of every ingest
+        self._taken = self._dropped = 0  # ingests in the state last taken; states dropped
         self.replay_source = None  # (lo, hi) -> the stream's events [lo, hi)
         self._stale: set[int] = set()  # trainers whose copy of a replica is not complete
         self._stale_shards: set[int] = set()  # shards rebuilt but not yet checked
@@ -384,6 +385,7 @@ class RayGroup(
         driver never holds the graph or the model replicas."""
         self.drain()
         method, args = ("state_dict", ()) if store is None else ("state_chunks", (store,))
+        self._taken = len(self.ingests)  # what `checkpointed` drops once this state is saved
         return {
             "journal_pos": self._cut_journal(),
             **self._common_state(),
@@ -397,6 +399,15 @@ class RayGroup(
             ),  # fmt: skip
             "trainers": self._trainer_states(store),
         }
+
+    def checkpointed(self) -> None:
+        """The state last taken is saved: a lost shard is rebuilt from it (or a newer one)
+        and the ingests after it, so the feature-rounding states of the ingests before it
+        (5 KB each, one per ingest for the life of the run) go; their spans stay."""
+        for i in range(self._dropped, self._taken):
+            lo, hi, _ = self.ingests[i]
+            self.ingests[i] = (lo, hi, None)
+        self._dropped = max(self._dropped, self._taken)
 
     def _trainer_states(self, store: str | None) -> list:
         """Every trainer's state; with a store, trainer 0 puts its chunks first, so the
@@ -426,6 +437,7 @@ class RayGroup(
         self._flush()
         self._load_common_state(state)
         self.ingests = list(state["ingests"])
+        self._taken = self._dropped = len(self.ingests)  # the checkpoint's: spans only
         self._journal, self._journal_cuts = [], []
         self._journal_base = state.get("journal_pos", 0)
         method, args = ("load_state_dict", ()) if store is None else ("load_chunks", (store,))

@@ -284,6 +284,9 @@ class LocalGroup(GroupCore):
         """Every piece is in this process."""
         return True
 
+    def checkpointed(self) -> None:
+        """The state last taken is durable (nothing here is kept only for a rebuild)."""
+
     def state_dict(self, store: str | None = None) -> dict:
         """Every piece's state; `store` (a checkpoint store's URI): each piece writes its
         large tensors there and gives refs, as the actors of a Ray group do (the graph as
