@@ -247,8 +247,8 @@ class DynamicGraph:
                 else:
                     cols = (node, nbr.long(), t, eid)
                 parts.append(pack_rows(list(cols)))
-        width = _NARROW if narrow else _WIDE
-        rows = torch.cat(parts) if parts else torch.empty(0, _row_bytes(width), dtype=torch.uint8)
+        width = _NARROW_BYTES if narrow else _WIDE_BYTES
+        rows = torch.cat(parts) if parts else torch.empty(0, width, dtype=torch.uint8)
         return {"lo": lo, "rows": rows}
 
     def piece_state(self, pieces: list) -> dict:
@@ -328,26 +328,24 @@ def _row_bytes(dtypes) -> int:
     return sum(torch.empty(0, dtype=d).element_size() for d in dtypes)
 
 
+_NARROW_BYTES, _WIDE_BYTES = _row_bytes(_NARROW), _row_bytes(_WIDE)
+
+
 def _piece_columns(pieces: list) -> tuple[torch.Tensor, ...]:
     """(node, nbr, t, eid) of every edge of `pieces`, in order, as int64 and float64: pieces
     of `rows_since` ({"lo", "rows"} of 20- or 32-byte rows) or, as checkpoints before
     narrow pieces wrote them, 32-byte rows alone."""
     cols: list[list[torch.Tensor]] = [[], [], [], []]
-    for piece in pieces:
+    for piece in pieces or [torch.empty(0, _WIDE_BYTES, dtype=torch.uint8)]:
         lo, rows = (piece["lo"], piece["rows"]) if isinstance(piece, dict) else (0, piece)
-        narrow = rows.shape[1] == _row_bytes(_NARROW)
-        if not narrow and rows.shape[1] != _row_bytes(_WIDE):
+        narrow = rows.shape[1] == _NARROW_BYTES
+        if not narrow and rows.shape[1] != _WIDE_BYTES:
             raise ValueError(f"graph state: a piece has rows of {rows.shape[1]} bytes, not "
-                             f"{_row_bytes(_NARROW)} or {_row_bytes(_WIDE)}")  # fmt: skip
+                             f"{_NARROW_BYTES} or {_WIDE_BYTES}")  # fmt: skip
         node, nbr, t, eid = unpack_rows(rows, list(_NARROW if narrow else _WIDE))
         for out, x in zip(cols, (node.long(), nbr.long(), t, eid.long() + (lo if narrow else 0)),
                           strict=True):  # fmt: skip
             out.append(x)
-    if not pieces:
-        return (torch.empty(0, dtype=torch.int64),) * 2 + (
-            torch.empty(0, dtype=torch.float64),
-            torch.empty(0, dtype=torch.int64),
-        )
     return tuple(torch.cat(c) for c in cols)
 
 
