@@ -309,13 +309,17 @@ class Orchestrator:
         if self.source is not None:  # the stream's layout, to rebuild it from the event log
             state["live"] = {"name": learner.stream.name, "phase1_end": learner.phase1_end,
                              "increments": [tuple(b) for b in learner.bounds]}  # fmt: skip
-        step = learner.cursor.step
+        meta = {"step": learner.cursor.step, "log_offset": learner.ingested}
         with learner.group.tracer.span("checkpoint", tag=tag):
-            self.run_dir.save_checkpoint(state, tag, self.config.keep_checkpoints, {"step": step})
+            self.run_dir.save_checkpoint(state, tag, self.config.keep_checkpoints, meta)
         learner.group.checkpointed()  # saved: what only an older rebuild needed can go
+        kept = self.run_dir.checkpoints.kept_meta()
         if self.run_dir.local:  # the update log's steps before every kept checkpoint go
-            oldest = min(m.get("step", 0) for m in self.run_dir.checkpoints.kept_meta())
+            oldest = min(m.get("step", 0) for m in kept)
             drop_steps_before(f"{self.run_dir.path}/updates", oldest)
+        spool = learner.stream.spool
+        if spool is not None:  # events every kept checkpoint has ingested: in the event log
+            spool.drop_before(min(m.get("log_offset", 0) for m in kept))
 
     def _actor_store(self) -> str | None:
         """The checkpoint store's URI when every actor reaches it (remote storage, or a local

@@ -2,7 +2,9 @@
 
 `{storage}/{run_name}/` holds `config.yaml`, `checkpoints/` (a manifest per checkpoint over
 chunks written once, the newest `keep_checkpoints` kept, `latest` naming the newest:
-`tidegraph.storage.checkpoint`), `events/` (the durable event log), and, for local storage, the
+`tidegraph.storage.checkpoint`), `events/` (the durable event log), `stream/` (the stream of a
+run from a file, spooled: `tidegraph.storage.spool`; its parts before the oldest kept
+checkpoint are dropped), and, for local storage, the
 run's `metrics.jsonl` and `summary.json`. Every file is written to a temporary name and moved
 into place, so a crash leaves the previous checkpoint intact. A fresh run refuses a directory
 that already holds a run (a run's files are erased only by checkpoint retention); `resume`
@@ -83,6 +85,14 @@ class RunDir:
 
     def event_log(self) -> EventLog:
         return EventLog(f"{self.uri.rstrip('/')}/{self.run_name}")
+
+    def spool_uri(self) -> str:
+        """Where the run's stream is spooled (`tidegraph.storage.spool`), as a URI any process
+        on the storage opens."""
+        base, _, options = self.uri.partition("?")
+        where = f"{base.rstrip('/')}/{self.run_name}/stream" if "://" in base else (
+            f"{self.path}/stream")  # fmt: skip
+        return where + (f"?{options}" if options else "")
 
     def save_config(self, config: dict) -> None:
         self._write("config.yaml", yaml.safe_dump(config, sort_keys=False).encode())

@@ -96,7 +96,16 @@ class IdMap:
             return cls()
         seen = np.zeros(top, dtype=bool)
         seen[ids[plain]] = True
-        return cls(top if top <= 2 * int(seen.sum()) + _SLACK else 0)
+        return cls.for_counts(top, ids.size, int(seen.sum()))
+
+    @classmethod
+    def for_counts(cls, top: int, size: int, distinct: int) -> IdMap:
+        """`for_ids` from counts of the ids: `top`, one past the largest non-negative id (0:
+        none); `size`, how many ids; `distinct`, how many distinct non-negative ones (a
+        stream counted a batch at a time gets the map `for_ids` gives it whole)."""
+        if top == 0 or top > 2 * size + _SLACK:
+            return cls()
+        return cls(top if top <= 2 * distinct + _SLACK else 0)
 
     def __len__(self) -> int:
         """Dense ids handed out: one past the largest."""

@@ -88,7 +88,7 @@ class ContinualLearner:
         # the window in memory; old events from the log, a bounded sample of them to replay
         self.history_events = EventHistory(self.stream, event_log, live, c.replay_capacity,
                                            seed_for(seed, "reservoir"), c.replay == "importance",
-                                           self._old_end)  # fmt: skip
+                                           self._block)  # fmt: skip
         # node tables start empty and grow with the nodes seen; the placement rule sizes node
         # state by the stream's node count
         make = group or _local_group(config)
@@ -106,7 +106,8 @@ class ContinualLearner:
         self.forget_gen = seed_stream(seed, "forgetting")
         t = config.train
         self.train_negatives, self.eval_negatives = t.train_negatives, t.eval_negatives
-        self.schedule = Schedule(self.events.t, config.continual, t.batch_size, t.epochs, live)
+        times = self.stream.spool if self.stream.spool is not None else self.events.t
+        self.schedule = Schedule(times, config.continual, t.batch_size, t.epochs, live)
         self.val_start, self.phase1_end = self.schedule.val_start, self.schedule.phase1_end
         self.bounds = self.schedule.increments
         self.cursor = Cursor()
@@ -395,13 +396,15 @@ class ContinualLearner:
     def _events(self, lo: int, hi: int) -> EventBatch:
         return self.history_events.read(lo, hi)
 
-    def _old_end(self) -> int:
-        """Where the block under way starts: the events before it are old."""
+    def _block(self) -> tuple[int, int]:
+        """The bounds of the block under way (phase 1, or the next increment; after the last,
+        an empty block at the end): the events before it are old."""
         if not self.cursor.phase1_done:
-            return 0
+            return 0, self.phase1_end
         if self.cursor.increment < len(self.bounds):
-            return self.bounds[self.cursor.increment][0]
-        return self.bounds[-1][1] if self.bounds else self.phase1_end
+            return self.bounds[self.cursor.increment]
+        end = self.bounds[-1][1] if self.bounds else self.phase1_end
+        return end, end
 
     def summary(self) -> dict:
         """Mean metrics over increments, and forgetting: first AP minus AP now, per increment.

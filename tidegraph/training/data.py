@@ -32,9 +32,11 @@ import ctypes
 import dataclasses
 import logging
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import torch
 
@@ -42,8 +44,12 @@ from tidegraph.data import bundled_names, bundled_path, is_bundled
 from tidegraph.storage.events import EventBatch
 from tidegraph.storage.idmap import IdMap
 from tidegraph.storage.ingest import load_events, open_events, parse_columns, parse_features
+from tidegraph.storage.spool import EventSpool
 
-__all__ = ["DEFAULT_REORDER_WINDOW", "Stream", "load_stream", "stream_for", "stream_of"]
+__all__ = [
+    "DEFAULT_REORDER_WINDOW", "Stream", "load_stream", "spooled_stream", "stream_for",
+    "stream_of",
+]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +68,11 @@ class Stream:
     name: str
     idmap: IdMap | None = None
     rows_read: int | None = None
+    spool: EventSpool | None = None  # the events, on disk (`events` is then none of them)
+
+    @property
+    def num_events(self) -> int:
+        return self.spool.num_events if self.spool is not None else len(self.events)
 
 
 def load_stream(
@@ -79,23 +90,41 @@ def load_stream(
     """The stream of a bundled name or a file; the other options apply to files (the bundled
     files are read with their known layout)."""
     if is_bundled(dataset):
-        path = bundled_path(dataset)
-        log.info("bundled dataset %s: %s", dataset, path)
-        given = {"format": format != "auto", "quarantine": quarantine, "columns": columns,
-                 "header": header is not None, "features": features,
-                 "string_ids": string_ids}  # fmt: skip
-        ignored = [k for k, v in given.items() if v]
-        if ignored:
-            log.warning("%s apply to files only: %s is read with its known layout",
-                        ", ".join(ignored), dataset)  # fmt: skip
-        events = load_events(path, sort="full")
-        num_nodes = _num_nodes(events)  # of the whole file, as always for bundled data
-        if max_events is not None:
-            events = events.select(slice(0, max_events))
-        _require_events(events, path)
-        stream = stream_of(events, path.name, IdMap(num_nodes))  # dense: ids kept as they are
-        stream.num_nodes = num_nodes
-        return stream
+        return _bundled(dataset, max_events, format, quarantine, columns, header, features,
+                        string_ids)  # fmt: skip
+    reader = _open_file(dataset, format, quarantine, columns, header, features, string_ids,
+                        reorder_window)  # fmt: skip
+    events = _read(reader, max_events)
+    _require_events(events, reader.path)
+    stream = stream_of(events, reader.path.name, reader.id_map)
+    stream.rows_read = reader.stats.rows_read
+    _give_back_memory()
+    return stream
+
+
+def _bundled(dataset, max_events, format, quarantine, columns, header, features, string_ids):
+    path = bundled_path(dataset)
+    log.info("bundled dataset %s: %s", dataset, path)
+    given = {"format": format != "auto", "quarantine": quarantine, "columns": columns,
+             "header": header is not None, "features": features,
+             "string_ids": string_ids}  # fmt: skip
+    ignored = [k for k, v in given.items() if v]
+    if ignored:
+        log.warning("%s apply to files only: %s is read with its known layout",
+                    ", ".join(ignored), dataset)  # fmt: skip
+    events = load_events(path, sort="full")
+    num_nodes = _num_nodes(events)  # of the whole file, as always for bundled data
+    if max_events is not None:
+        events = events.select(slice(0, max_events))
+    _require_events(events, path)
+    stream = stream_of(events, path.name, IdMap(num_nodes))  # dense: ids kept as they are
+    stream.num_nodes = num_nodes
+    return stream
+
+
+def _open_file(dataset, format, quarantine, columns, header, features, string_ids,
+               reorder_window):  # fmt: skip
+    """A reader of the file `dataset` with every loader option."""
     path = _resolve(dataset)
     options = {
         "columns": parse_columns(columns, "data.columns"),
@@ -105,15 +134,9 @@ def load_stream(
     if options["features"] is not None and getattr(options["columns"], "features", None):
         raise ValueError("data.features (--features): the feature columns are named in "
                          "data.columns (--columns) too; name them once")  # fmt: skip
-    reader = open_events(path, format, quarantine=quarantine, negative_ids=True,
-                         string_ids=string_ids, **_order(reorder_window, path),
-                         **options)  # fmt: skip
-    events = _read(reader, max_events)
-    _require_events(events, path)
-    stream = stream_of(events, path.name, reader.id_map)
-    stream.rows_read = reader.stats.rows_read
-    _give_back_memory()
-    return stream
+    return open_events(path, format, quarantine=quarantine, negative_ids=True,
+                       string_ids=string_ids, **_order(reorder_window, path),
+                       **options)  # fmt: skip
 
 
 def _give_back_memory() -> None:
@@ -145,13 +168,27 @@ def _order(window: int | None, path: Path) -> dict:
 
 def _read(reader, max_events: int | None) -> EventBatch:
     """The reader's events, stopping once `max_events` are out (the file is not read on)."""
-    batches, count = [], 0
-    for batch in reader:
-        batches.append(batch)
-        count += len(batch)
-        if max_events is not None and count >= max_events:
+    batches = list(_batches(reader, max_events))
+    if not batches:
+        return _no_events()
+    _give_back_memory()
+    events = _joined(batches)
+    _give_back_memory()
+    return events
+
+
+def _batches(reader, max_events: int | None) -> Iterator[EventBatch]:
+    """The reader's batches, the last cut so that at most `max_events` are out (the file is
+    not read on)."""
+    count = 0
+    for i, batch in enumerate(reader):
+        if max_events is not None and count + len(batch) >= max_events:
+            yield batch.select(slice(0, max_events - count))
+            count = max_events
             break  # closes the reader's pass: its file and quarantine are closed
-        if len(batches) % 16 == 0:  # what parsing freed goes back before the next chunks
+        count += len(batch)
+        yield batch
+        if i % 16 == 15:  # what parsing freed goes back before the next chunks
             _give_back_memory()
     rows = reader.stats.rows_read
     if max_events is not None and count >= max_events:
@@ -159,12 +196,6 @@ def _read(reader, max_events: int | None) -> EventBatch:
                  "file is not read", reader.path, rows, max_events)  # fmt: skip
     else:
         log.info("%s: read %d rows, %d events", reader.path, rows, count)
-    if not batches:
-        return _no_events()
-    _give_back_memory()
-    events = _joined(batches)
-    _give_back_memory()
-    return events if max_events is None else events.select(slice(0, max_events))
 
 
 def _joined(batches: list[EventBatch]) -> EventBatch:
@@ -191,8 +222,12 @@ def _require_events(events: EventBatch, path: Path) -> None:
         raise ValueError(f"data.dataset: {path} holds no valid events")
 
 
-def stream_for(data) -> Stream:
-    """The stream a `DataConfig` names, with all its loader options."""
+def stream_for(data, spool: str | None = None) -> Stream:
+    """The stream a `DataConfig` names, with all its loader options; `spool`: a directory
+    (path or storage URI) to write its events to, a chunk at a time, so that the stream holds
+    none of them in memory (`spooled_stream`)."""
+    if spool is not None:
+        return spooled_stream(data, spool)
     return load_stream(
         data.dataset,
         data.max_events,
@@ -204,6 +239,94 @@ def stream_for(data) -> Stream:
         string_ids=data.string_ids,
         reorder_window=data.reorder_window,
     )
+
+
+def spooled_stream(data, uri: str) -> Stream:
+    """The stream of `data` with its events in an `EventSpool` at `uri`: the spool found there
+    when it is complete and was written for these data settings (a resumed run), else written
+    now, reading the file once a chunk at a time (a bundled dataset, small, is read whole
+    first). The stream's `events` are none (a template of the fields); `spool` holds them."""
+    fingerprint = {k: v for k, v in dataclasses.asdict(data).items() if k != "quarantine"}
+    spool = EventSpool.open(uri, fingerprint)
+    if spool is not None:
+        log.info("%s: the stream spooled at %s (%d events)", data.dataset, uri, spool.num_events)
+    elif is_bundled(data.dataset):
+        whole = _bundled(data.dataset, data.max_events, data.format, data.quarantine,
+                         data.columns, data.header, data.features, data.string_ids)  # fmt: skip
+        spool = EventSpool.write(uri, [whole.events], fingerprint)
+        spool.finish(whole.name, whole.num_nodes, whole.idmap, None)
+        del whole
+    else:
+        spool = _spool_file(data, uri, fingerprint)
+    m = spool.manifest
+    idmap = IdMap.from_state(spool.idmap_state())
+    feat = m["feat"]
+    return Stream(events=spool.template(), num_nodes=m["num_nodes"],
+                  edge_dim=0 if feat is None else feat[1], name=m["name"], idmap=idmap,
+                  rows_read=m["rows_read"], spool=spool)  # fmt: skip
+
+
+def _spool_file(data, uri: str, fingerprint: dict) -> EventSpool:
+    """Spool a file a chunk at a time. Int ids are counted as they pass (`_IdCounts`); the
+    map the whole stream calls for (`IdMap.for_counts`, as `stream_of` builds it) then
+    rewrites the parts when it is not the identity; string ids come dense from the reader."""
+    reader = _open_file(data.dataset, data.format, data.quarantine, data.columns, data.header,
+                        data.features, data.string_ids, data.reorder_window)  # fmt: skip
+    counts = _IdCounts()
+    try:
+        spool = EventSpool.write(uri, map(counts.see, _batches(reader, data.max_events)),
+                                 fingerprint)  # fmt: skip
+    except ValueError as err:
+        if "holds no events" not in str(err):
+            raise
+        _require_events(_no_events(), reader.path)
+    _give_back_memory()
+    idmap, top = reader.id_map, counts.top
+    if idmap is None:
+        idmap = IdMap.for_counts(counts.top, counts.size, counts.distinct)
+        if not (idmap.identity_bound and counts.low >= 0):
+            top = spool.map_ids(idmap.map_events)
+    spool.finish(reader.path.name, top, idmap, reader.stats.rows_read)
+    if idmap.mapped:
+        log.info("%s: %d nodes; ids below %d kept as they are, %d others mapped to dense ids "
+                 "in order of first appearance", reader.path.name, top, idmap.identity_bound,
+                 idmap.mapped)  # fmt: skip
+    return spool
+
+
+class _IdCounts:
+    """What `IdMap.for_ids` asks of a stream's ids, counted a batch at a time: how many,
+    the smallest, one past the largest non-negative one (`top`), and how many distinct
+    non-negative ones (kept as sorted runs, merged once they outgrow the merged set:
+    memory in proportion to the nodes)."""
+
+    def __init__(self) -> None:
+        self.size, self.low, self.top = 0, 0, 0
+        self._merged = np.empty(0, dtype=np.int64)
+        self._runs: list[np.ndarray] = []
+
+    def see(self, batch: EventBatch) -> EventBatch:
+        if len(batch):
+            ids = torch.cat([batch.src, batch.dst]).numpy()
+            self.low = int(ids.min()) if self.size == 0 else min(self.low, int(ids.min()))
+            self.size += ids.size
+            plain = np.unique(ids[ids >= 0])
+            if plain.size:
+                self.top = max(self.top, int(plain[-1]) + 1)
+                self._runs.append(plain)
+                if sum(r.size for r in self._runs) > self._merged.size + (1 << 20):
+                    self._merge()
+        return batch
+
+    @property
+    def distinct(self) -> int:
+        self._merge()
+        return int(self._merged.size)
+
+    def _merge(self) -> None:
+        if self._runs:
+            self._merged = np.unique(np.concatenate([self._merged, *self._runs]))
+            self._runs = []
 
 
 def stream_of(events: EventBatch, name: str, idmap: IdMap | None = None) -> Stream:

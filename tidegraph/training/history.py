@@ -9,9 +9,11 @@ or an increment, and what arrived after it) and, of the events before the block 
 old events themselves are read back from the durable event log (a lost shard's rebuild, the
 forgetting of each increment), mapped to dense ids through the stream's id map. A live run
 with a log drops old events from memory once learned (`forget`), so the driver's memory does
-not grow with the run; other runs keep their stream (a file, loaded whole) but read old
-events from the log all the same when they have one. The caller's `Stream` is not changed
-(a restart builds its learner from it again).
+not grow with the run. A spooled stream (a run from a file or a bundled dataset, with a run
+directory: `tidegraph.storage.spool`) holds none of its events: the block under way is read
+from the spool at its first use and dropped once learned. Other streams (built in memory)
+keep their events but read old ones from the log all the same when there is one. The
+caller's `Stream` is not changed (a restart builds its learner from it again).
 """
 
 from __future__ import annotations
@@ -30,12 +32,13 @@ __all__ = ["EventHistory"]
 class EventHistory:
     def __init__(
         self, stream, event_log, live: bool, capacity: int, seed: int, importance: bool,
-        old_end: Callable[[], int],
+        block: Callable[[], tuple[int, int]],
     ) -> None:  # fmt: skip
-        """`old_end()`: where the block under way starts (the events before it are old)."""
+        """`block()`: the bounds of the block under way (the events before it are old)."""
         self.stream, self.event_log, self.live = stream, event_log, live
         self.events, self.base = stream.events, 0
-        self.old_end = old_end
+        self.spool = stream.spool  # a spooled stream's events: on disk, read a block at a time
+        self.block = block
         self.importance = importance
         self.reservoir = ReplayReservoir(capacity, seed)
         self.degree = torch.zeros(0, dtype=torch.int64)
@@ -44,12 +47,20 @@ class EventHistory:
     @property
     def end(self) -> int:
         """One past the stream's last event so far."""
-        return self.base + len(self.events)
+        held = self.base + len(self.events)
+        return held if self.spool is None else max(held, self.spool.num_events)
+
+    def old_end(self) -> int:
+        """Where the block under way starts: the events before it are old."""
+        return self.block()[0]
 
     def read(self, lo: int, hi: int) -> EventBatch:
         """Events [lo, hi): from the window, or, old events of a run with a durable log,
-        read back from the log."""
+        read back from the log; a spooled stream's from its spool, the whole block under way
+        at its first read (it is then the window)."""
         if lo >= self.old_end() or self.event_log is None:
+            if self.spool is not None and not self.base <= lo <= hi <= self.end_held:
+                return self._from_spool(lo, hi)
             if lo < self.base:
                 raise RuntimeError(f"events [{lo}, {hi}) are no longer held and no log has them")
             return self.events.select(slice(lo - self.base, hi - self.base))
@@ -61,6 +72,19 @@ class EventHistory:
         if ev.edge_feat is not None and self.events.edge_feat is not None:
             ev.edge_feat = ev.edge_feat.to(self.events.edge_feat.dtype)
         return ev
+
+    @property
+    def end_held(self) -> int:
+        return self.base + len(self.events)
+
+    def _from_spool(self, lo: int, hi: int) -> EventBatch:
+        """Events [lo, hi) of the spool: inside the block under way, the block is read and
+        held (its passes read it again); any other range is read alone."""
+        blo, bhi = self.block()
+        if not blo <= lo <= hi <= bhi:
+            return self.spool.read(lo, hi)
+        self.events, self.base = self.spool.read(blo, bhi), blo
+        return self.events.select(slice(lo - blo, hi - blo))
 
     def pool(self) -> EventBatch:
         """The old events replay and forgetting probes draw from (src, dst, t, eid)."""
@@ -80,10 +104,11 @@ class EventHistory:
         self.reservoir.add(ev)
 
     def forget(self) -> None:
-        """A live run with a durable log drops the old events from memory (the log, the
-        shards and, a sample, the reservoir hold them)."""
+        """A live run with a durable log, and a spooled one, drop the old events from memory
+        (the log or the spool, the shards and, a sample, the reservoir hold them)."""
         lo = self.old_end()
-        if self.live and self.event_log is not None and lo > self.base:
+        drops = self.spool is not None or (self.live and self.event_log is not None)
+        if drops and lo > self.base:
             self._window(self.events.select(slice(lo - self.base, None)), lo)
 
     def append(self, events: EventBatch) -> None:

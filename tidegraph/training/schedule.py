@@ -27,6 +27,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from tidegraph.storage.spool import window_ends
+
 __all__ = [
     "Cursor",
     "Schedule",
@@ -79,17 +81,16 @@ class Schedule:
     falls in and that block's training batch, so the state is O(increments) however long the
     run (`units` lists them all, for tests and tools)."""
 
-    def __init__(
-        self, t: torch.Tensor, continual, batch_size: int, epochs: int, live: bool = False
-    ) -> None:
-        """`live`: the stream so far is all of phase 1 (its last `val_fraction` validates),
-        and increments are added as they arrive (`add_increment`)."""
+    def __init__(self, t, continual, batch_size: int, epochs: int, live: bool = False) -> None:
+        """`t`: the stream's times (a tensor, or the `EventSpool` that holds them). `live`: the
+        stream so far is all of phase 1 (its last `val_fraction` validates), and increments
+        are added as they arrive (`add_increment`)."""
         if live:
-            end = t.shape[0]
+            end = len(t)
             self.val_start, self.phase1_end = end - int(end * continual.val_fraction), end
             increments = []
         else:
-            self.val_start, self.phase1_end = phase1_bounds(t.shape[0], continual)
+            self.val_start, self.phase1_end = phase1_bounds(len(t), continual)
             increments = increment_bounds(t, self.phase1_end, continual)
         self.retrain_epochs = continual.retrain_epochs
         self.epochs = epochs
@@ -230,14 +231,16 @@ def phase1_bounds(num_events: int, c) -> tuple[int, int]:
 
 
 def increment_bounds(t: torch.Tensor, start: int, c) -> list[tuple[int, int]]:
-    """[(start, end)] of each increment over events[start:], by count or by time window."""
-    n = t.shape[0]
+    """[(start, end)] of each increment over events[start:], by count or by time window; `t`:
+    the stream's times, or a spool of them (`EventSpool`: its length and `window_ends`)."""
+    n = len(t)
     if start >= n:
         return []
     if c.increment_window is not None:
-        window = torch.floor((t[start:] - t[start]) / c.increment_window).long()
-        _, counts = torch.unique_consecutive(window, return_counts=True)
-        ends = (start + torch.cumsum(counts, 0)).tolist()
+        if isinstance(t, torch.Tensor):
+            ends = window_ends([t[start:]], start, c.increment_window)
+        else:  # a spooled stream's times, read a row group at a time (`EventSpool`)
+            ends = t.window_ends(start, c.increment_window)
     else:
         size = c.increment_events or -(-(n - start) // c.num_increments)
         ends = list(range(start + size, n, size)) + [n]

@@ -1,0 +1,252 @@
+"""A run from a file holds none of its events on the driver: the stream is spooled to the run
+directory a chunk at a time, read back a block at a time, and the run learns bitwise as one
+that loaded the file whole."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import tidegraph.storage.spool as spool_module
+from tidegraph.jobs.train import main
+from tidegraph.storage.eventlog import EventLog
+from tidegraph.storage.events import EventBatch
+from tidegraph.storage.idmap import IdMap
+from tidegraph.storage.spool import EventSpool, window_ends
+from tidegraph.training import ContinualLearner, RunConfig, load_stream
+from tidegraph.training.data import spooled_stream
+from tidegraph.training.schedule import increment_bounds
+
+sys.path.insert(0, str(Path(__file__).parent))
+from runstate import assert_same_state  # noqa: E402
+
+
+def _stream(n: int, feat: bool = True, int_t: bool = False) -> EventBatch:
+    g = torch.Generator().manual_seed(n)
+    t = torch.cumsum(torch.randint(0, 5, (n,), generator=g), 0)
+    return EventBatch(
+        torch.randint(0, 300, (n,), generator=g), torch.randint(0, 300, (n,), generator=g),
+        t if int_t else t.double() + 0.25, torch.arange(n),
+        torch.randn(n, 3, generator=g) if feat else None,
+        torch.randint(0, 2, (n,), generator=g).float(),
+    )  # fmt: skip
+
+
+def _same(a: EventBatch, b: EventBatch) -> None:
+    for name in ("src", "dst", "t", "eid", "edge_feat", "label"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert (x is None) == (y is None), name
+        if x is not None:
+            assert x.dtype == y.dtype and torch.equal(x, y), name
+
+
+@pytest.mark.parametrize(("feat", "int_t"), [(True, False), (False, True)])
+def test_a_spool_reads_back_any_range_bitwise(tmp_path, monkeypatch, feat, int_t):
+    """Parts of 700 events in row groups of 64: every range, across part and group edges,
+    reads back as the stream's own slice, dtypes and all."""
+    monkeypatch.setattr(spool_module, "ROW_GROUP", 64)
+    ev = _stream(2500, feat, int_t)
+    batches = [ev.select(slice(lo, lo + 333)) for lo in range(0, 2500, 333)]
+    spool = EventSpool.write(str(tmp_path / "s"), batches, {"k": 1}, part_events=700)
+    spool.finish("x", 300, IdMap(300), None)
+    assert spool.manifest["parts"] == [[0, 700], [700, 1400], [1400, 2100], [2100, 2500]]
+    g = torch.Generator().manual_seed(0)
+    ranges = [(0, 2500), (0, 0), (699, 701), (64, 128), (1399, 2101), (2499, 2500)]
+    ranges += [tuple(sorted(torch.randint(0, 2501, (2,), generator=g).tolist())) for _ in range(40)]
+    reopened = EventSpool.open(str(tmp_path / "s"), {"k": 1})
+    for lo, hi in ranges:
+        _same(reopened.read(lo, hi), ev.select(slice(lo, hi)))
+    for start in (0, 63, 64, 700, 2000):
+        assert torch.equal(torch.cat(list(reopened.times(start))), ev.t[start:])
+    _same(reopened.template(), ev.select(slice(0, 0)))
+
+
+def test_an_unfinished_or_other_spool_is_not_opened(tmp_path):
+    uri = str(tmp_path / "s")
+    spool = EventSpool.write(uri, [_stream(100)], {"k": 1})
+    assert EventSpool.open(uri, {"k": 1}) is None  # no manifest yet: a killed load
+    spool.finish("x", 300, IdMap(300), None)
+    assert EventSpool.open(uri, {"k": 1}) is not None
+    assert EventSpool.open(uri, {"k": 2}) is None  # other data settings: read again
+
+
+def test_dropped_parts_are_gone_and_refused_by_name(tmp_path):
+    uri = str(tmp_path / "s")
+    ev = _stream(2000)
+    spool = EventSpool.write(uri, [ev], {}, part_events=500)
+    spool.finish("x", 300, IdMap(300), None)
+    spool.drop_before(1200)  # parts [0, 500) and [500, 1000)
+    files = sorted(p.name for p in (tmp_path / "s").glob("part-*"))
+    assert files == ["part-000000001000-000000001500.parquet",
+                     "part-000000001500-000000002000.parquet"]  # fmt: skip
+    again = EventSpool.open(uri, {})
+    _same(again.read(1000, 2000), ev.select(slice(1000, 2000)))
+    with pytest.raises(ValueError, match=r"events \[999, 1001\) were dropped .* event log"):
+        again.read(999, 1001)
+
+
+@pytest.mark.parametrize("window", [1.0, 7.0, 40.0, 1e9])
+def test_time_window_increments_from_a_spool_equal_those_of_the_whole_stream(tmp_path, window):
+    """Increment ends from the spool's row groups, computed once and kept in its manifest
+    (a resumed run whose first parts were dropped cuts the same increments)."""
+    ev = _stream(3000, feat=False)
+    spool = EventSpool.write(str(tmp_path / "s"), [ev], {}, part_events=256)
+    spool.finish("x", 300, IdMap(300), None)
+    c = RunConfig.from_dict({"continual": {"increment_window": window}}).continual
+    for start in (0, 900, 2999):
+        want = increment_bounds(ev.t, start, c)
+        assert increment_bounds(spool, start, c) == want
+        assert want[-1][1] == 3000 and all(lo < hi for lo, hi in want)
+    spool.drop_before(2000)
+    assert increment_bounds(EventSpool.open(str(tmp_path / "s"), {}), 900, c) == (
+        increment_bounds(ev.t, 900, c))  # fmt: skip
+    # chunks cut anywhere, a window's edge among them, give the same ends
+    t = ev.t[900:]
+    chunks = [t[:1], t[1:500], t[500:501], t[501:]]
+    assert window_ends(chunks, 900, window) == window_ends([t], 900, window)
+
+
+def _csv(path: Path, ev: EventBatch, src=None, dst=None) -> Path:
+    src = ev.src if src is None else src
+    dst = ev.dst if dst is None else dst
+    rows = ["src,dst,t,label,f0,f1,f2"]
+    for i in range(len(ev)):
+        f = ev.edge_feat[i]
+        rows.append(f"{src[i]},{dst[i]},{float(ev.t[i])},{int(ev.label[i])},"
+                    f"{float(f[0])!r},{float(f[1])!r},{float(f[2])!r}")  # fmt: skip
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("ids", ["dense", "sparse", "huge", "string"])
+def test_a_spooled_file_is_the_stream_a_whole_load_gives(tmp_path, monkeypatch, ids):
+    """Read a chunk at a time (small chunks and parts here): the same events, node count,
+    feature width, rows read and id map as `load_stream` of the whole file; sparse and
+    huge int ids are mapped as the whole stream maps them."""
+    monkeypatch.setattr(spool_module, "PART_EVENTS", 256)
+    ev = _stream(1500)
+    src, dst = ev.src, ev.dst
+    if ids == "sparse":
+        src, dst = src * 1_000_003 + 7, dst * 1_000_003 + 7
+    elif ids == "huge":  # most ids dense, a few far beyond: mapped above the identity bound
+        src = torch.where(src % 5 == 0, src + (1 << 40), src)
+    elif ids == "string":
+        src = [f"u{int(x)}" for x in src]
+    path = _csv(tmp_path / "ev.csv", ev, src, dst)
+    data = {"format": "csv", "columns": "src=0,dst=1,time=2,label=3,features=4-6",
+            "header": True, "string_ids": ids == "string"}  # fmt: skip
+    cfg = RunConfig.from_dict({"data": {"dataset": str(path), "max_events": 1400, **data}})
+    whole = load_stream(str(path), 1400, **data)
+    got = spooled_stream(cfg.data, str(tmp_path / "spool"))
+    assert len(got.events) == 0 and got.num_events == 1400 == whole.num_events
+    _same(got.spool.read(0, 1400), whole.events)
+    assert (got.num_nodes, got.edge_dim, got.name) == (whole.num_nodes, 3, whole.name)
+    assert got.rows_read == whole.rows_read
+    a, b = got.idmap.state_dict(), whole.idmap.state_dict()
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k], k
+    assert (whole.idmap.mapped > 0) == (ids != "dense")
+
+
+def _config(out: Path | None = None, **continual) -> RunConfig:
+    raw = {"model": {"dim": 16, "time_dim": 8, "memory_dim": 16},
+           "train": {"batch_size": 100, "epochs": 1},
+           "continual": {"replay_capacity": 500, "forget_sample": 100, **continual},
+           "progress": False}  # fmt: skip
+    if out is not None:
+        raw["out_dir"] = str(out)
+    return RunConfig.from_dict(raw)
+
+
+@pytest.mark.parametrize("continual", [{"num_increments": 4}, {"increment_window": 9000.0}])
+def test_a_spooled_run_holds_only_its_block_and_learns_as_a_whole_load(
+    tmp_path, monkeypatch, continual
+):
+    """A learner over a spooled Wikipedia prefix (parts of 400 events) with a durable log:
+    after every unit of work it holds at most the block under way, nothing after a block is
+    learned, and it ends bitwise as the learner that loaded the stream whole: records,
+    summary and every piece of state."""
+    cfg = _config(**continual)
+    cfg.data.max_events = 2400
+    cfg.data.dataset = "wikipedia"
+    monkeypatch.setattr(spool_module, "PART_EVENTS", 400)
+    spooled = spooled_stream(cfg.data, str(tmp_path / "spool"))
+    a = ContinualLearner(cfg, spooled, event_log=EventLog(str(tmp_path / "run")))
+    b = ContinualLearner(cfg, load_stream("wikipedia", 2400))
+    assert a.bounds == b.bounds and len(a.bounds) >= 3
+    held, run_unit = [], a.run_unit
+
+    def watched(u):
+        out = run_unit(u)
+        lo, hi = a._block()
+        assert a.base >= lo and a.base + len(a.events) <= max(hi, a.base), (u, a.base)
+        held.append(len(a.events))
+        return out
+
+    a.run_unit = watched
+    sa, sb = a.run(), b.run()
+    assert max(held) == a.phase1_end and len(a.events) == 0
+    untimed = [[{k: v for k, v in r.items() if not k.endswith("_per_s")} for r in x.history]
+               for x in (a, b)]  # fmt: skip
+    assert sa == sb and untimed[0] == untimed[1]
+    assert_same_state(a.state_dict(), b.state_dict())
+
+
+def _job(out: Path, backend: str, *extra: str) -> list[str]:
+    return ["--max-events", "2400", "--epochs", "1", "--no-progress", "--metrics-port", "-1",
+            "--backend", backend, "--shards", "2", "--trainers", "2", "--out", str(out),
+            *extra]  # fmt: skip
+
+
+def _records(out: Path) -> list[dict]:
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(x).items() if not k.endswith("_per_s")} for x in lines]
+
+
+@pytest.mark.parametrize("backend", ["local", "ray"])
+def test_a_resumed_job_reads_a_spool_whose_first_parts_were_dropped(
+    tmp_path, monkeypatch, backend, request
+):
+    """The job with parts of 300 events, one checkpoint kept and increments by time window:
+    the spool drops what every kept checkpoint has ingested; a job stopped after its second
+    increment's checkpoint and resumed reads what is left of the spool (its increments from
+    the manifest), and ends with the records of a job never stopped."""
+    if backend == "ray":
+        request.getfixturevalue("ray_session")
+    monkeypatch.setattr(spool_module, "PART_EVENTS", 300)
+    yaml_path = tmp_path / "run.yaml"
+    yaml_path.write_text("continual:\n  increment_window: 9000\n  num_increments: null\n"
+                         "train:\n  batch_size: 100\n")  # fmt: skip
+    args = ["--config", str(yaml_path), "--keep-checkpoints", "1"]
+    threads = torch.get_num_threads()
+    try:
+        assert main(_job(tmp_path / "whole", backend, *args)) == 0
+        from tidegraph.orchestrator import controller
+
+        real = controller.Orchestrator._checkpoint
+
+        def stop_after_second(self, tag):
+            real(self, tag)
+            if tag == "increment-00002":
+                raise KeyboardInterrupt("stopped for the test")
+
+        monkeypatch.setattr(controller.Orchestrator, "_checkpoint", stop_after_second)
+        with pytest.raises(KeyboardInterrupt):
+            main(_job(tmp_path / "cut", backend, *args))
+        monkeypatch.setattr(controller.Orchestrator, "_checkpoint", real)
+        manifest = json.loads((tmp_path / "cut" / "stream" / "manifest.json").read_text())
+        assert manifest["dropped_before"] >= 900 and manifest["window_ends"]
+        assert not (tmp_path / "cut" / "stream" / "part-000000000000-000000000300.parquet").exists()
+        assert main([*_job(tmp_path / "cut", backend, *args), "--resume"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    assert _records(tmp_path / "cut") == _records(tmp_path / "whole")
+    whole = json.loads((tmp_path / "whole" / "summary.json").read_text())
+    cut = json.loads((tmp_path / "cut" / "summary.json").read_text())
+    assert {k: whole[k] for k in ("ap", "auc", "mrr", "forgetting")} == {
+        k: cut[k] for k in ("ap", "auc", "mrr", "forgetting")}  # fmt: skip
