@@ -12,6 +12,10 @@ and in the whole run directory. It reads only files and the orchestrator's publi
 an older commit is measured the same way (`--compare` in RESULTS.md).
 
     python benchmarks/bench_long_run.py --increments 200 --events-per-increment 100000
+
+`--source file` writes the same stream to one Parquet file first and runs it as a job given
+`--dataset FILE` does (phase 1 and the increments cut to the followed run's sizes), so the
+driver's memory of a run from a file is measured the same way.
 """
 
 from __future__ import annotations
@@ -65,7 +69,37 @@ class PowerLawSource:
         self.k = state["k"]
 
 
-def config(args, storage: str) -> RunConfig:
+def write_parquet(path: Path, increments: int, size: int, nodes: int) -> None:
+    """The stream `PowerLawSource` hands out (phase 1, then `increments`), as one Parquet file
+    written an increment at a time (a row group each)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    source = PowerLawSource(increments, size, nodes)
+    with pq.ParquetWriter(str(path), pa.schema([("src", pa.int64()), ("dst", pa.int64()),
+                                                ("t", pa.float64())])) as out:  # fmt: skip
+        while (got := source.next_events(0)) is not None:
+            ev = got[1]
+            out.write_table(pa.table({"src": ev.src.numpy(), "dst": ev.dst.numpy(),
+                                      "t": ev.t.numpy()}))  # fmt: skip
+
+
+def file_stream(cfg: RunConfig, run_dir: RunDir):
+    """The job's stream of the file: spooled to the run directory where this commit spools
+    (the driver holds a block at a time), else loaded whole (older commits, `--compare`)."""
+    from tidegraph.training.data import stream_for
+
+    if hasattr(run_dir, "spool_uri"):
+        return stream_for(cfg.data, run_dir.spool_uri())
+    return stream_for(cfg.data)
+
+
+def config(args, storage: str, data: str | None = None) -> RunConfig:
+    file_run = {}
+    if data is not None:  # phase 1 and the increments of the followed run, cut from a file
+        file_run = {"data": {"dataset": data},
+                    "continual": {"forget_sample": 200, "num_increments": args.increments,
+                                  "train_fraction": 1 / (args.increments + 1)}}  # fmt: skip
     return RunConfig.from_dict({
         "model": {"name": "tgn", "dim": 16, "time_dim": 16, "memory_dim": 16},
         "sampler": {"fanouts": [5]},
@@ -76,6 +110,7 @@ def config(args, storage: str) -> RunConfig:
                        if args.layout == "head" else {})},
         "run_name": "long", "storage": storage, "out_dir": None, "progress": False,
         "checkpoint_every": 1, **({"keep_checkpoints": args.keep} if args.keep else {}),
+        **file_run,
     })  # fmt: skip
 
 
@@ -154,6 +189,10 @@ def main() -> None:
         default=0,
         help="every DIAG increments, record the tensors the driver holds",
     )
+    p.add_argument("--source", choices=("follow", "file"), default="follow",
+                   help="follow: increments handed out one at a time, as --follow does; file: "
+                   "the same stream written to one Parquet file first, the run reading it "
+                   "as a job given --dataset FILE does")  # fmt: skip
     p.add_argument("--label", default="", help="names the output (e.g. a commit)")
     p.add_argument("--storage", default=None, help="keep the run directory here (default: a "
                    "temporary one, deleted at the end)")  # fmt: skip
@@ -170,8 +209,27 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="tidegraph-long-") as tmp:
         storage = args.storage or tmp
         run_path = Path(storage) / "long"
-        source = PowerLawSource(args.increments, args.events_per_increment, args.nodes)
-        orch = Orchestrator(config(args, storage), run_dir=RunDir(storage, "long"), source=source)
+        run_dir = RunDir(storage, "long")
+        if args.source == "file":
+            data = Path(tmp) / "stream.parquet"
+            write_parquet(data, args.increments, args.events_per_increment, args.nodes)
+            cfg = config(args, storage, str(data))
+            t_load = time.perf_counter()
+            stream = file_stream(cfg, run_dir)
+            print(
+                json.dumps(
+                    {
+                        "load_s": round(time.perf_counter() - t_load, 2),
+                        "driver_hwm_mb": round(rss_bytes("VmHWM") / 2**20, 1),
+                        "driver_rss_mb": round(rss_bytes() / 2**20, 1),
+                    }
+                ),
+                flush=True,
+            )
+            orch = Orchestrator(cfg, stream, run_dir=run_dir)
+        else:
+            source = PowerLawSource(args.increments, args.events_per_increment, args.nodes)
+            orch = Orchestrator(config(args, storage), run_dir=run_dir, source=source)
         timing = {"ingest": 0.0, "checkpoint": 0.0}
         wrapped = False
         t_start = time.perf_counter()
@@ -215,6 +273,7 @@ def main() -> None:
                 rows.append({
                     "increment": done, "events_so_far": learner.cursor.ingested,
                     "driver_rss_mb": rss_bytes() / 2**20,
+                    "driver_hwm_mb": rss_bytes("VmHWM") / 2**20,
                     "driver_anon_mb": rss_bytes("RssAnon") / 2**20,
                     "driver_shmem_mb": rss_bytes("RssShmem") / 2**20,
                     "plasma_used_mb": plasma_used_bytes() / 2**20, "driver_refs": driver_refs(),
@@ -244,13 +303,15 @@ def main() -> None:
     mean = lambda rs, k: sum(r[k] for r in rs) / len(rs)  # noqa: E731
     summary = {k: {"first_tenth": mean(first, k), "last_tenth": mean(last, k),
                    "ratio": mean(last, k) / max(mean(first, k), 1e-9)}
-               for k in ("driver_rss_mb", "driver_anon_mb", "driver_shmem_mb", "plasma_used_mb",
-                         "driver_refs", "checkpoint_written_mb",
+               for k in ("driver_rss_mb", "driver_hwm_mb", "driver_anon_mb", "driver_shmem_mb",
+                         "plasma_used_mb", "driver_refs", "checkpoint_written_mb",
                          "checkpoints_on_disk_mb", "step_s", "checkpoint_s")}  # fmt: skip
     summary["wall_s"] = time.perf_counter() - t_start
     print(json.dumps(summary, indent=1))
     layout = "" if args.layout == "one" else f"_{args.layout}"
-    name = f"long_run_{args.increments}x{args.events_per_increment}{layout}{args.label}.json"
+    source = "" if args.source == "follow" else f"_{args.source}"
+    name = (f"long_run_{args.increments}x{args.events_per_increment}{layout}{source}"
+            f"{args.label}.json")  # fmt: skip
     write_json(name, {"args": vars(args), "machine": machine(), "summary": summary,
                       "rows": rows})  # fmt: skip
 

@@ -105,7 +105,14 @@ def expected_lines(run: Path) -> list[str]:
     def mean(key: str) -> float:
         return statistics.fmean(r[key] for r in inc)
 
+    # each increment but the last, evaluated again at the end: its drop, their mean
+    per = summary["forgetting_per_increment"]
+    assert [(f["increment"], f["ap"]) for f in per] == [(r["increment"], r["ap"]) for r in inc[:-1]]
+    assert all(f["drop"] == f["ap"] - f["ap_at_end"] for f in per)
+    assert statistics.fmean(f["drop"] for f in per) == pytest.approx(summary["forgetting"])
+    worst = max(per, key=lambda f: f["drop"])
     return [
+        f"most: increment {worst['increment'] + 1}, {worst['drop']:+.4f}",
         f"final (increment {len(inc)}): AP {last['ap']:.4f}  AUC {last['auc']:.4f}  MRR "
         f"{last['mrr']:.4f}  old AP {last['old_ap']:.4f}",
         f"mean over increments: AP {mean('ap'):.4f}  AUC {mean('auc'):.4f}  MRR {mean('mrr'):.4f}",

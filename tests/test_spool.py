@@ -55,7 +55,8 @@ def test_a_spool_reads_back_any_range_bitwise(tmp_path, monkeypatch, feat, int_t
     spool.finish("x", 300, IdMap(300), None)
     assert spool.manifest["parts"] == [[0, 700], [700, 1400], [1400, 2100], [2100, 2500]]
     g = torch.Generator().manual_seed(0)
-    ranges = [(0, 2500), (0, 0), (699, 701), (64, 128), (1399, 2101), (2499, 2500)]
+    ranges = [(0, 2500), (0, 0), (699, 701), (64, 128), (1399, 2101), (2499, 2500), (764, 764),
+              (700, 700), (2500, 2500)]  # fmt: skip
     ranges += [tuple(sorted(torch.randint(0, 2501, (2,), generator=g).tolist())) for _ in range(40)]
     reopened = EventSpool.open(str(tmp_path / "s"), {"k": 1})
     for lo, hi in ranges:

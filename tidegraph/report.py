@@ -448,7 +448,12 @@ def _forgetting(summary: dict) -> str:
     f = summary.get("forgetting")
     if not isinstance(f, int | float):
         return "not known (no summary.json: the run has not ended)"
-    return f"{f:.4f} (mean AP when evaluated minus AP at the end, summary.json)"
+    line = f"{f:.4f} (mean AP when evaluated minus AP at the end, summary.json)"
+    per = summary.get("forgetting_per_increment") or []
+    if per:
+        worst = max(per, key=lambda x: x["drop"])
+        line += f"; most: increment {worst['increment'] + 1}, {worst['drop']:+.4f}"
+    return line
 
 
 def _timeline_lines(run: Run) -> list[str]:

@@ -125,6 +125,10 @@ def _quality(run: Run) -> Plot:
         if isinstance(p1.get(f"val_{key}"), int | float):  # phase 1's validation, hollow
             ax.plot([0], [p1[f"val_{key}"]], style[-1], markersize=6, fillstyle="none",
                     color=line.get_color())  # fmt: skip
+    per = run.summary.get("forgetting_per_increment") or []
+    if per:  # each increment's events again at the end: the gap to its AP is its forgetting
+        ax.plot([f["increment"] + 1 for f in per], [f["ap_at_end"] for f in per], ":x",
+                label="AP at the end", markersize=5, color="black")  # fmt: skip
     _marker_lines(ax, run, labels=True)
     _increment_axis(ax, run)
     ax.set_ylabel("score")
@@ -133,11 +137,22 @@ def _quality(run: Run) -> Plot:
     note = (
         "AP, AUC and MRR on each increment's events, evaluated before retraining on them "
         "(hollow, at phase 1: its validation events); old AP: AP on a sample of earlier events "
-        "after the increment was learned. Forgetting, the mean over increments of the AP when "
-        "evaluated minus the AP on the same events at the end (summary.json): "
+        "after the increment was learned; AP at the end: each increment's events evaluated "
+        "again by the final model, so its gap below AP is that increment's forgetting. "
+        "Forgetting, the mean of those gaps (summary.json): "
         + (f"{forgetting:.4f}." if isinstance(forgetting, int | float) else "not known yet.")
+        + _worst_forgetting(per)
     )
     return Plot("quality", title, _png(fig), note)
+
+
+def _worst_forgetting(per: list[dict]) -> str:
+    """The increment forgotten most, when the summary lists them."""
+    if not per:
+        return ""
+    worst = max(per, key=lambda f: f["drop"])
+    return (f" Most forgotten: increment {worst['increment'] + 1}, AP {worst['ap']:.4f} when "
+            f"evaluated, {worst['ap_at_end']:.4f} at the end.")  # fmt: skip
 
 
 def _throughput(run: Run) -> Plot:

@@ -102,7 +102,7 @@ class EventSpool:
             raise ValueError("EventSpool.write: the stream holds no events")
         manifest = {
             "version": 1, "fingerprint": fingerprint, "num_events": at, "parts": parts,
-            "dropped_before": 0, "t": str(first.t.dtype),
+            "dropped_before": 0, "row_group": ROW_GROUP, "t": str(first.t.dtype),
             "label": None if first.label is None else str(first.label.dtype),
             "feat": None if first.edge_feat is None else [str(first.edge_feat.dtype),
                                                           int(first.edge_feat.shape[1])],
@@ -166,7 +166,8 @@ class EventSpool:
         pieces = [self.template()]
         p = max(bisect.bisect_right(self._starts, lo) - 1, 0)
         while p < len(self._starts) and self._starts[p] < hi:
-            pieces.append(self._read_part(p, lo, hi))
+            if max(lo, self._starts[p]) < min(hi, self.manifest["parts"][p][1]):  # overlaps
+                pieces.append(self._read_part(p, lo, hi))
             p += 1
         out = EventBatch.cat(pieces)
         out.eid = torch.arange(lo, hi)
@@ -175,12 +176,13 @@ class EventSpool:
     def times(self, start: int) -> Iterator[torch.Tensor]:
         """The stream's times from event `start` on, a row group at a time."""
         p = max(bisect.bisect_right(self._starts, start) - 1, 0)
+        size = self.manifest["row_group"]
         for q in range(p, len(self._starts)):
             plo, phi = self.manifest["parts"][q]
             f = self._file(q)
             for g in range(f.num_row_groups):
-                glo = plo + g * ROW_GROUP
-                if glo + ROW_GROUP <= start:
+                glo = plo + g * size
+                if glo + size <= start:
                     continue
                 t = _column(f.read_row_group(g, columns=["t"]), "t", self.manifest["t"])
                 yield t[max(start - glo, 0) :]
@@ -223,9 +225,10 @@ class EventSpool:
         """Events [lo, hi) of part p, reading only the row groups they fall in."""
         plo, phi = self.manifest["parts"][p]
         a, b = max(lo, plo) - plo, min(hi, phi) - plo
-        groups = list(range(a // ROW_GROUP, -(-b // ROW_GROUP)))
+        size = self.manifest["row_group"]  # as the parts were written
+        groups = list(range(a // size, -(-b // size)))
         table = self._file(p).read_row_groups(groups)
-        skip = groups[0] * ROW_GROUP
+        skip = groups[0] * size
         table = table.slice(a - skip, b - a)
         m = self.manifest
         src, dst = _column(table, "src", "torch.int64"), _column(table, "dst", "torch.int64")

@@ -428,6 +428,11 @@ class ContinualLearner:
             self.group.load_sampler_states(samplers)
             drops = [r["ap"] - a for r, a in zip(inc[:-1], now, strict=True)]
             out["forgetting"] = sum(drops) / len(drops) if drops else 0.0
+            # per increment: its AP when evaluated, on the same events at the end, the drop
+            out["forgetting_per_increment"] = [
+                {"increment": r["increment"], "ap": r["ap"], "ap_at_end": a, "drop": d}
+                for r, a, d in zip(inc[:-1], now, drops, strict=True)
+            ]
         if self.config.out_dir:
             path = Path(self.config.out_dir) / "summary.json"
             path.parent.mkdir(parents=True, exist_ok=True)
