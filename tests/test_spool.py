@@ -251,3 +251,26 @@ def test_a_resumed_job_reads_a_spool_whose_first_parts_were_dropped(
     cut = json.loads((tmp_path / "cut" / "summary.json").read_text())
     assert {k: whole[k] for k in ("ap", "auc", "mrr", "forgetting")} == {
         k: cut[k] for k in ("ap", "auc", "mrr", "forgetting")}  # fmt: skip
+
+
+def test_only_a_resumed_run_reuses_the_spool_and_a_drop_a_kill_cut_short_is_finished(tmp_path):
+    """A fresh run reads its file again, however it changed since a run that did not start;
+    a resumed one reads the spool. Parts a kill left behind after their drop was recorded
+    are deleted by the next drop."""
+    path, uri = tmp_path / "ev.csv", str(tmp_path / "spool")
+    _csv(path, _stream(600))
+    data = {"dataset": str(path), "format": "csv", "header": True,
+            "columns": "src=0,dst=1,time=2,label=3,features=4-6"}  # fmt: skip
+    cfg = RunConfig.from_dict({"data": data})
+    assert spooled_stream(cfg.data, uri).num_events == 600
+    _csv(path, _stream(400))
+    assert spooled_stream(cfg.data, uri, reuse=True).num_events == 600  # resumed: the spool
+    spool = spooled_stream(cfg.data, uri).spool  # fresh: the file as it is now
+    assert spool.num_events == 400
+    part = tmp_path / "spool" / "part-000000000000-000000000400.parquet"
+    kept = part.read_bytes()
+    spool.drop_before(400)
+    assert not part.exists()
+    part.write_bytes(kept)  # as if killed between the manifest and the delete
+    spool.drop_before(400)
+    assert not part.exists()

@@ -15,9 +15,9 @@ sits half-way before the record it preceded in metrics.jsonl: it happened after 
 record was written (during that increment's evaluation or retraining, or at its ingest).
 
 Forgetting is as `ContinualLearner.summary` defines it: per increment, its AP when evaluated
-minus the AP on its events at the end of the run, the mean in summary.json (only the mean is
-kept); per increment the records give `old_ap`, the AP on a sample of older events after
-the increment was learned.
+minus the AP on its events at the end of the run (`forgetting_per_increment` in summary.json)
+and their mean (`forgetting`); per increment the records give `old_ap`, the AP on a sample
+of older events after the increment was learned.
 
 Bad input raises `ReportError` naming the file and the line or field.
 """
@@ -451,7 +451,7 @@ def _forgetting(summary: dict) -> str:
     line = f"{f:.4f} (mean AP when evaluated minus AP at the end, summary.json)"
     per = summary.get("forgetting_per_increment") or []
     if per:
-        worst = max(per, key=lambda x: x["drop"])
+        worst = max(per, key=lambda x: _drop(x["drop"]))
         line += f"; most: increment {worst['increment'] + 1}, {worst['drop']:+.4f}"
     return line
 
@@ -477,3 +477,8 @@ def _timeline_lines(run: Run) -> list[str]:
     elif lone_trainers(run.trace):
         out.append("  all-reduce: none (a lone trainer)")
     return out
+
+
+def _drop(value: float) -> float:
+    """A forgetting drop to rank by (a NaN one, of an increment with no AP, last)."""
+    return float("-inf") if math.isnan(value) else value

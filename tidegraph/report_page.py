@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import html
 import io
+import math
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -150,7 +151,7 @@ def _worst_forgetting(per: list[dict]) -> str:
     """The increment forgotten most, when the summary lists them."""
     if not per:
         return ""
-    worst = max(per, key=lambda f: f["drop"])
+    worst = max(per, key=lambda f: _drop(f["drop"]))
     return (f" Most forgotten: increment {worst['increment'] + 1}, AP {worst['ap']:.4f} when "
             f"evaluated, {worst['ap_at_end']:.4f} at the end.")  # fmt: skip
 
@@ -452,3 +453,8 @@ def page(
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
             f"<title>tidegraph report: {html.escape(run.name)}</title><style>{_CSS}</style>"
             f"</head><body>\n{body}\n</body></html>\n")  # fmt: skip
+
+
+def _drop(value: float) -> float:
+    """A forgetting drop to rank by (a NaN one, of an increment with no AP, last)."""
+    return float("-inf") if math.isnan(value) else value

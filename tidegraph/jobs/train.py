@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
             # a run's stream is spooled to its directory, a chunk at a time: the driver
             # holds the block under way, never the file (offline runs hold it whole)
             spool = run_dir.spool_uri() if config.mode != "offline" else None
-            stream = stream_for(config.data, spool)
+            stream = stream_for(config.data, spool, reuse=resume)
         except ValueError as err:  # LoaderError: file, line or row, reason
             _report(err)
             return 2

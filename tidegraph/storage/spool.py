@@ -176,7 +176,7 @@ class EventSpool:
     def times(self, start: int) -> Iterator[torch.Tensor]:
         """The stream's times from event `start` on, a row group at a time."""
         p = max(bisect.bisect_right(self._starts, start) - 1, 0)
-        size = self.manifest["row_group"]
+        size = self.manifest.get("row_group", ROW_GROUP)
         for q in range(p, len(self._starts)):
             plo, phi = self.manifest["parts"][q]
             f = self._file(q)
@@ -199,15 +199,17 @@ class EventSpool:
 
     def drop_before(self, offset: int) -> None:
         """Delete the parts wholly before event `offset` (the event log holds them)."""
-        gone = [(lo, hi) for lo, hi in self.manifest["parts"]
-                if hi <= offset and lo >= self.manifest["dropped_before"]]  # fmt: skip
+        gone = [(lo, hi) for lo, hi in self.manifest["parts"] if hi <= offset]
         if not gone:
             return
-        self.manifest["dropped_before"] = gone[-1][1]
-        self._save_manifest()  # first: a reader never looks for a deleted part
-        for lo, hi in gone:
-            self.fs.delete_file(self._path(lo, hi))
-        log.info("spool: dropped events [%d, %d) (in the event log)", gone[0][0], gone[-1][1])
+        if gone[-1][1] > self.manifest["dropped_before"]:
+            self.manifest["dropped_before"] = gone[-1][1]
+            self._save_manifest()  # first: a reader never looks for a deleted part
+            log.info("spool: dropped events before %d (in the event log)", gone[-1][1])
+        for lo, hi in gone:  # those a kill left behind too
+            path = self._path(lo, hi)
+            if self.fs.get_file_info(path).type != pafs.FileType.NotFound:
+                self.fs.delete_file(path)
 
     # ---- internals ----------------------------------------------------------------------------
 
@@ -225,7 +227,7 @@ class EventSpool:
         """Events [lo, hi) of part p, reading only the row groups they fall in."""
         plo, phi = self.manifest["parts"][p]
         a, b = max(lo, plo) - plo, min(hi, phi) - plo
-        size = self.manifest["row_group"]  # as the parts were written
+        size = self.manifest.get("row_group", ROW_GROUP)  # as the parts were written
         groups = list(range(a // size, -(-b // size)))
         table = self._file(p).read_row_groups(groups)
         skip = groups[0] * size
@@ -234,7 +236,7 @@ class EventSpool:
         src, dst = _column(table, "src", "torch.int64"), _column(table, "dst", "torch.int64")
         feat = label = None
         if m["feat"] is not None:
-            flat = table.column("feat").combine_chunks().values
+            flat = table.column("feat").combine_chunks().flatten()  # the slice's values only
             feat = _tensor(flat, m["feat"][0]).reshape(-1, m["feat"][1])
         if m["label"] is not None:
             label = _column(table, "label", m["label"])

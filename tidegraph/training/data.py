@@ -222,12 +222,12 @@ def _require_events(events: EventBatch, path: Path) -> None:
         raise ValueError(f"data.dataset: {path} holds no valid events")
 
 
-def stream_for(data, spool: str | None = None) -> Stream:
+def stream_for(data, spool: str | None = None, reuse: bool = False) -> Stream:
     """The stream a `DataConfig` names, with all its loader options; `spool`: a directory
     (path or storage URI) to write its events to, a chunk at a time, so that the stream holds
     none of them in memory (`spooled_stream`)."""
     if spool is not None:
-        return spooled_stream(data, spool)
+        return spooled_stream(data, spool, reuse)
     return load_stream(
         data.dataset,
         data.max_events,
@@ -241,13 +241,14 @@ def stream_for(data, spool: str | None = None) -> Stream:
     )
 
 
-def spooled_stream(data, uri: str) -> Stream:
-    """The stream of `data` with its events in an `EventSpool` at `uri`: the spool found there
-    when it is complete and was written for these data settings (a resumed run), else written
-    now, reading the file once a chunk at a time (a bundled dataset, small, is read whole
-    first). The stream's `events` are none (a template of the fields); `spool` holds them."""
+def spooled_stream(data, uri: str, reuse: bool = False) -> Stream:
+    """The stream of `data` with its events in an `EventSpool` at `uri`: with `reuse` (a
+    resumed run), the spool found there when it is complete and was written for these data
+    settings; else one written now (a fresh run reads its file again, however it changed),
+    the file read once a chunk at a time (a bundled dataset, small, is read whole first).
+    The stream's `events` are none (a template of the fields); `spool` holds them."""
     fingerprint = {k: v for k, v in dataclasses.asdict(data).items() if k != "quarantine"}
-    spool = EventSpool.open(uri, fingerprint)
+    spool = EventSpool.open(uri, fingerprint) if reuse else None
     if spool is not None:
         log.info("%s: the stream spooled at %s (%d events)", data.dataset, uri, spool.num_events)
     elif is_bundled(data.dataset):
