@@ -449,11 +449,19 @@ def _forgetting(summary: dict) -> str:
     if not isinstance(f, int | float):
         return "not known (no summary.json: the run has not ended)"
     line = f"{f:.4f} (mean AP when evaluated minus AP at the end, summary.json)"
-    per = summary.get("forgetting_per_increment") or []
-    if per:
-        worst = max(per, key=lambda x: _drop(x["drop"]))
+    worst = most_forgotten(summary)
+    if worst is not None:
         line += f"; most: increment {worst['increment'] + 1}, {worst['drop']:+.4f}"
     return line
+
+
+def most_forgotten(summary: dict) -> dict | None:
+    """The entry of `forgetting_per_increment` with the largest drop (a NaN drop, of an
+    increment with no AP, ranks last); None when the summary lists none."""
+    per = summary.get("forgetting_per_increment") or []
+    if not per:
+        return None
+    return max(per, key=lambda f: float("-inf") if math.isnan(f["drop"]) else f["drop"])
 
 
 def _timeline_lines(run: Run) -> list[str]:
@@ -477,8 +485,3 @@ def _timeline_lines(run: Run) -> list[str]:
     elif lone_trainers(run.trace):
         out.append("  all-reduce: none (a lone trainer)")
     return out
-
-
-def _drop(value: float) -> float:
-    """A forgetting drop to rank by (a NaN one, of an increment with no AP, last)."""
-    return float("-inf") if math.isnan(value) else value

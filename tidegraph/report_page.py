@@ -12,7 +12,6 @@ from __future__ import annotations
 import base64
 import html
 import io
-import math
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -23,6 +22,7 @@ from tidegraph.report import (
     Run,
     bottleneck,
     lone_trainers,
+    most_forgotten,
     step_split,
     traffic,
 )
@@ -142,16 +142,16 @@ def _quality(run: Run) -> Plot:
         "again by the final model, so its gap below AP is that increment's forgetting. "
         "Forgetting, the mean of those gaps (summary.json): "
         + (f"{forgetting:.4f}." if isinstance(forgetting, int | float) else "not known yet.")
-        + _worst_forgetting(per)
+        + _worst_forgetting(run.summary)
     )
     return Plot("quality", title, _png(fig), note)
 
 
-def _worst_forgetting(per: list[dict]) -> str:
+def _worst_forgetting(summary: dict) -> str:
     """The increment forgotten most, when the summary lists them."""
-    if not per:
+    worst = most_forgotten(summary)
+    if worst is None:
         return ""
-    worst = max(per, key=lambda f: _drop(f["drop"]))
     return (f" Most forgotten: increment {worst['increment'] + 1}, AP {worst['ap']:.4f} when "
             f"evaluated, {worst['ap_at_end']:.4f} at the end.")  # fmt: skip
 
@@ -453,8 +453,3 @@ def page(
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
             f"<title>tidegraph report: {html.escape(run.name)}</title><style>{_CSS}</style>"
             f"</head><body>\n{body}\n</body></html>\n")  # fmt: skip
-
-
-def _drop(value: float) -> float:
-    """A forgetting drop to rank by (a NaN one, of an increment with no AP, last)."""
-    return float("-inf") if math.isnan(value) else value
