@@ -36,7 +36,7 @@ from tidegraph.storage.checkpoint import read_file, write_file
 from tidegraph.storage.eventlog import open_fs
 from tidegraph.storage.events import EventBatch
 
-__all__ = ["EventSpool", "window_ends"]
+__all__ = ["EmptyStream", "EventSpool", "window_ends"]
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +44,10 @@ PART_EVENTS = 1 << 20
 ROW_GROUP = 1 << 16
 MANIFEST = "manifest.json"
 _DTYPES = {str(d): d for d in (torch.int64, torch.int32, torch.float64, torch.float32)}
+
+
+class EmptyStream(ValueError):
+    """A stream without events cannot be spooled."""
 
 
 class EventSpool:
@@ -87,7 +91,7 @@ class EventSpool:
             if not len(batch):
                 continue
             if first is None:
-                first = _template(batch)
+                first = batch.select(slice(0, 0))  # the fields and dtypes
             pending.append(batch)
             held = sum(len(b) for b in pending)
             while held >= part_events:
@@ -99,7 +103,7 @@ class EventSpool:
             parts.append(_write_part(fs, root, head, at))
             at += len(head)
         if first is None:
-            raise ValueError("EventSpool.write: the stream holds no events")
+            raise EmptyStream("EventSpool.write: the stream holds no events")
         manifest = {
             "version": 1, "fingerprint": fingerprint, "num_events": at, "parts": parts,
             "dropped_before": 0, "row_group": ROW_GROUP, "t": str(first.t.dtype),
@@ -217,7 +221,7 @@ class EventSpool:
         write_file(self.fs, f"{self.root}/{MANIFEST}", json.dumps(self.manifest).encode())
 
     def _path(self, lo: int, hi: int) -> str:
-        return f"{self.root}/part-{lo:012d}-{hi:012d}.parquet"
+        return _part_path(self.root, lo, hi)
 
     def _file(self, p: int) -> pq.ParquetFile:
         lo, hi = self.manifest["parts"][p]
@@ -264,10 +268,6 @@ def window_ends(chunks: Iterable[torch.Tensor], start: int, window: float) -> li
     return ends
 
 
-def _template(batch: EventBatch) -> EventBatch:
-    return batch.select(slice(0, 0))
-
-
 def _split(batches: list[EventBatch], n: int) -> tuple[EventBatch, list[EventBatch]]:
     """(the first n events of `batches`, joined; the batches of the rest)."""
     head, rest, got = [], [], 0
@@ -293,11 +293,14 @@ def _write_part(fs, root: str, ev: EventBatch, lo: int) -> list[int]:
         cols["feat"] = pa.FixedSizeListArray.from_arrays(pa.array(feat.numpy().reshape(-1)),
                                                          int(feat.shape[1]))  # fmt: skip
     hi = lo + len(ev)
-    path = f"{root}/part-{lo:012d}-{hi:012d}.parquet"
     sink = pa.BufferOutputStream()
     pq.write_table(pa.table(cols), sink, row_group_size=ROW_GROUP)
-    write_file(fs, path, sink.getvalue())
+    write_file(fs, _part_path(root, lo, hi), sink.getvalue())
     return [lo, hi]
+
+
+def _part_path(root: str, lo: int, hi: int) -> str:
+    return f"{root}/part-{lo:012d}-{hi:012d}.parquet"
 
 
 def _tensor(array: pa.Array, dtype: str) -> torch.Tensor:

@@ -44,7 +44,7 @@ from tidegraph.data import bundled_names, bundled_path, is_bundled
 from tidegraph.storage.events import EventBatch
 from tidegraph.storage.idmap import IdMap
 from tidegraph.storage.ingest import load_events, open_events, parse_columns, parse_features
-from tidegraph.storage.spool import EventSpool
+from tidegraph.storage.spool import EmptyStream, EventSpool
 
 __all__ = [
     "DEFAULT_REORDER_WINDOW", "Stream", "load_stream", "spooled_stream", "stream_for",
@@ -251,35 +251,34 @@ def spooled_stream(data, uri: str, reuse: bool = False) -> Stream:
     spool = EventSpool.open(uri, fingerprint) if reuse else None
     if spool is not None:
         log.info("%s: the stream spooled at %s (%d events)", data.dataset, uri, spool.num_events)
+        idmap = IdMap.from_state(spool.idmap_state())
     elif is_bundled(data.dataset):
         whole = _bundled(data.dataset, data.max_events, data.format, data.quarantine,
                          data.columns, data.header, data.features, data.string_ids)  # fmt: skip
-        spool = EventSpool.write(uri, [whole.events], fingerprint)
-        spool.finish(whole.name, whole.num_nodes, whole.idmap, None)
+        spool, idmap = EventSpool.write(uri, [whole.events], fingerprint), whole.idmap
+        spool.finish(whole.name, whole.num_nodes, idmap, None)
         del whole
     else:
-        spool = _spool_file(data, uri, fingerprint)
+        spool, idmap = _spool_file(data, uri, fingerprint)
     m = spool.manifest
-    idmap = IdMap.from_state(spool.idmap_state())
     feat = m["feat"]
     return Stream(events=spool.template(), num_nodes=m["num_nodes"],
                   edge_dim=0 if feat is None else feat[1], name=m["name"], idmap=idmap,
                   rows_read=m["rows_read"], spool=spool)  # fmt: skip
 
 
-def _spool_file(data, uri: str, fingerprint: dict) -> EventSpool:
-    """Spool a file a chunk at a time. Int ids are counted as they pass (`_IdCounts`); the
-    map the whole stream calls for (`IdMap.for_counts`, as `stream_of` builds it) then
-    rewrites the parts when it is not the identity; string ids come dense from the reader."""
+def _spool_file(data, uri: str, fingerprint: dict) -> tuple[EventSpool, IdMap]:
+    """Spool a file a chunk at a time; (the spool, the stream's id map). Int ids are counted
+    as they pass (`_IdCounts`); the map the whole stream calls for (`IdMap.for_counts`, as
+    `stream_of` builds it) then rewrites the parts when it is not the identity; string ids
+    come dense from the reader."""
     reader = _open_file(data.dataset, data.format, data.quarantine, data.columns, data.header,
                         data.features, data.string_ids, data.reorder_window)  # fmt: skip
     counts = _IdCounts()
     try:
         spool = EventSpool.write(uri, map(counts.see, _batches(reader, data.max_events)),
                                  fingerprint)  # fmt: skip
-    except ValueError as err:
-        if "holds no events" not in str(err):
-            raise
+    except EmptyStream:
         _require_events(_no_events(), reader.path)
     _give_back_memory()
     idmap, top = reader.id_map, counts.top
@@ -292,7 +291,7 @@ def _spool_file(data, uri: str, fingerprint: dict) -> EventSpool:
         log.info("%s: %d nodes; ids below %d kept as they are, %d others mapped to dense ids "
                  "in order of first appearance", reader.path.name, top, idmap.identity_bound,
                  idmap.mapped)  # fmt: skip
-    return spool
+    return spool, idmap
 
 
 class _IdCounts:

@@ -47,8 +47,13 @@ class EventHistory:
     @property
     def end(self) -> int:
         """One past the stream's last event so far."""
-        held = self.base + len(self.events)
+        held = self.end_held
         return held if self.spool is None else max(held, self.spool.num_events)
+
+    @property
+    def end_held(self) -> int:
+        """One past the last event held in memory."""
+        return self.base + len(self.events)
 
     def old_end(self) -> int:
         """Where the block under way starts: the events before it are old."""
@@ -72,10 +77,6 @@ class EventHistory:
         if ev.edge_feat is not None and self.events.edge_feat is not None:
             ev.edge_feat = ev.edge_feat.to(self.events.edge_feat.dtype)
         return ev
-
-    @property
-    def end_held(self) -> int:
-        return self.base + len(self.events)
 
     def _from_spool(self, lo: int, hi: int) -> EventBatch:
         """Events [lo, hi) of the spool: inside the block under way, the block is read and
