@@ -257,28 +257,31 @@ def test_a_node_state_write_that_fails_loses_no_changed_row(tmp_path, monkeypatc
 def test_replay_draws_from_the_history_itself_while_it_fits():
     """What replay and forgetting probes draw from, while the history fits the reservoir, is
     the stream's events before the increment, bitwise: the draws of a learner that keeps
-    the whole history."""
+    the whole history; importance replay's counts of the increment's events per node are
+    those of the increment."""
     wiki = load_stream("wikipedia", 3000)
-    learner = ContinualLearner(_config(num_increments=3), wiki)
+    learner = ContinualLearner(_config(num_increments=3, replay="importance"), wiki)
     seen = []
     select = learner.replay.select
 
-    def watched(pool, new, degree, m):
-        seen.append((pool, new, degree))
-        return select(pool, new, degree, m)
+    def watched(pool, changed, degree, m):
+        seen.append((pool, changed, degree))
+        return select(pool, changed, degree, m)
 
     learner.replay.select = watched
     learner.run()
     assert len(seen) == 3
     ev = wiki.events
-    for (lo, hi), (pool, new, degree) in zip(learner.bounds, seen, strict=True):
+    for (lo, hi), (pool, changed, degree) in zip(learner.bounds, seen, strict=True):
         # which events only: features are read by eid from the shards, labels are unused
         assert pool.label is None and pool.edge_feat is None
         for name in ("src", "dst", "t", "eid"):
             want, got = getattr(ev, name), getattr(pool, name)
             assert (want is None) == (got is None)
             if want is not None:
-                assert torch.equal(got, want[:lo]) and torch.equal(getattr(new, name), want[lo:hi])
+                assert torch.equal(got, want[:lo])
+        new = torch.bincount(torch.cat([ev.src[lo:hi], ev.dst[lo:hi]]), minlength=degree.numel())
+        assert torch.equal(changed, new)
         counts = torch.bincount(torch.cat([ev.src[:hi], ev.dst[:hi]]))
         assert torch.equal(degree[: counts.numel()], counts) and not degree[counts.numel() :].any()
 

@@ -198,6 +198,129 @@ def test_a_spooled_run_holds_only_its_block_and_learns_as_a_whole_load(
     assert_same_state(a.state_dict(), b.state_dict())
 
 
+@pytest.mark.parametrize(
+    "continual",
+    [{"num_increments": 4, "replay": "importance"}, {"increment_window": 9000.0}],
+)
+def test_a_window_bounds_what_a_spooled_run_holds_and_changes_no_result(
+    tmp_path, monkeypatch, continual
+):
+    """With `continual.window_events` of 250 (phase 1 is 720 events, an increment 420,
+    batches 100), a learner over the spooled stream holds at most 250 events after every
+    unit, reads at most 250 at a time from the spool and, in all, at most 1.5 times the
+    events it asks for (a read serves the units that follow). It ends bitwise as a learner
+    that loaded the stream whole with the same window (records, summary, every piece of
+    state), and with the records and summary of one that handles each block at once (its
+    graph then lists one ingest per block, not per window)."""
+    cfg = _config(window_events=250, **continual)
+    cfg.data.max_events = 2400
+    cfg.data.dataset = "wikipedia"
+    monkeypatch.setattr(spool_module, "PART_EVENTS", 400)
+    spooled = spooled_stream(cfg.data, str(tmp_path / "spool"))
+    reads, read = [], spooled.spool.read
+
+    def counted(lo, hi):
+        reads.append(hi - lo)
+        return read(lo, hi)
+
+    spooled.spool.read = counted
+    a = ContinualLearner(cfg, spooled, event_log=EventLog(str(tmp_path / "run")))
+    asked, ask = [], a.history_events.read
+
+    def asking(lo, hi):
+        if lo >= a.history_events.old_end():  # the block under way (old ones: the log)
+            asked.append(hi - lo)
+        return ask(lo, hi)
+
+    a.history_events.read = asking
+    b = ContinualLearner(cfg, load_stream("wikipedia", 2400))
+    at_once = _config(**continual)
+    at_once.data.max_events, at_once.data.dataset = 2400, "wikipedia"
+    c = ContinualLearner(at_once, load_stream("wikipedia", 2400))
+    assert a.bounds == b.bounds == c.bounds and a.phase1_end > 2 * 250
+    held, run_unit = [], a.run_unit
+
+    def watched(u):
+        out = run_unit(u)
+        held.append(len(a.events))
+        return out
+
+    a.run_unit = watched
+    sa, sb, sc = a.run(), b.run(), c.run()
+    assert 0 < max(held) <= 250 and max(reads) <= 250
+    assert sum(reads) <= 1.5 * sum(asked), (sum(reads), sum(asked))
+    untimed = [[{k: v for k, v in r.items() if not k.endswith("_per_s")} for r in x.history]
+               for x in (a, b, c)]  # fmt: skip
+    assert sa == sb == sc and untimed[0] == untimed[1] == untimed[2]
+    assert_same_state(a.state_dict(), b.state_dict())
+
+
+def test_a_checkpoint_without_old_event_state_is_counted_again_a_window_at_a_time():
+    """A checkpoint from before the replay reservoir was kept: loading it counts the
+    reservoir, the degrees and the partition counts again from the learned blocks, read a
+    window at a time, and they equal those of the learner that wrote it."""
+    cfg = _config(window_events=250, num_increments=4, replay="importance")
+    cfg.data.max_events, cfg.data.dataset = 2400, "wikipedia"
+    a = ContinualLearner(cfg, load_stream("wikipedia", 2400))
+    a.run_phase1()
+    a.step()
+    a.step()
+    state = a.state_dict()
+    del state["orchestrator"]["old_events"]
+    b = ContinualLearner(cfg, load_stream("wikipedia", 2400))
+    reads, read = [], b.history_events.read
+
+    def counted(lo, hi):
+        reads.append(hi - lo)
+        return read(lo, hi)
+
+    b.history_events.read = counted
+    b.load_state_dict(state)
+    assert reads and max(reads) <= 250
+    assert a.reservoir.seen == b.reservoir.seen > cfg.continual.replay_capacity
+    assert_same_state(b.state_dict(), a.state_dict())
+
+
+def test_a_ray_groups_passes_go_a_window_at_a_time_and_learn_as_at_once(
+    ray_session, tmp_path, monkeypatch
+):
+    """On Ray (2 shards, 2 trainers, whole passes: a call to the group per pass), with
+    `continual.window_events` of 250: every call of a pass carries at most 250 of the block's
+    events (and their replay), and the learner ends with the records and summary of one that
+    sends each pass at once."""
+    from tidegraph.orchestrator import make_group
+
+    monkeypatch.setattr(spool_module, "PART_EVENTS", 400)
+    runs = []
+    for window in (250, 1 << 20):
+        cfg = _config(window_events=window, num_increments=3)
+        cfg.data.max_events, cfg.data.dataset = 2400, "wikipedia"
+        cfg.cluster.backend, cfg.cluster.shards, cfg.cluster.trainers = "ray", 2, 2
+        cfg.run_name = f"tidegraph-window-{window}"
+        stream = spooled_stream(cfg.data, str(tmp_path / f"spool-{window}"))
+        learner = ContinualLearner(cfg, stream, make_group,
+                                   event_log=EventLog(str(tmp_path / f"run-{window}")))  # fmt: skip
+        sent = []
+        for name in ("train_pass", "eval_pass"):
+            real = getattr(learner.group, name)
+
+            def counted(batches, *args, _real=real, _sent=sent):
+                _sent.append(sum(b[3] if len(b) == 4 else len(b[0]) for b in batches))
+                return _real(batches, *args)
+
+            setattr(learner.group, name, counted)
+        try:
+            summary = learner.run()
+        finally:
+            learner.group.shutdown()
+        records = [{k: v for k, v in r.items() if not k.endswith("_per_s")}
+                   for r in learner.history]  # fmt: skip
+        runs.append((summary, records, sent))
+    (small, small_records, small_sent), (large, large_records, large_sent) = runs
+    assert max(small_sent) <= 250 < max(large_sent) and len(small_sent) > len(large_sent)
+    assert small == large and small_records == large_records
+
+
 def _job(out: Path, backend: str, *extra: str) -> list[str]:
     return ["--max-events", "2400", "--epochs", "1", "--no-progress", "--metrics-port", "-1",
             "--backend", backend, "--shards", "2", "--trainers", "2", "--out", str(out),

@@ -326,6 +326,7 @@ def test_importance_replay_is_unbiased_and_prefers_changed_nodes(wiki):
     replay = ImportanceReplay(seed=0, floor=0.1)
     pool, new = ev.select(slice(0, 2000)), ev.select(slice(2000, 2500))
     degree = node_degree(torch.zeros(0, dtype=torch.int64), ev.select(slice(0, 2500)), 0)
+    new = node_degree(torch.zeros(0, dtype=torch.int64), new, degree.numel())
     s = replay.scores(pool, new, degree)
     f = (pool.src % 7).double()  # any per-event quantity
     pos, w = replay.select(pool, new, degree, 200_000)
@@ -340,6 +341,7 @@ def test_importance_replay_beyond_two_to_the_24_old_events():
     ev = EventBatch(src, src + 1000, torch.arange(n, dtype=torch.float64), torch.arange(n))
     degree = node_degree(torch.zeros(0, dtype=torch.int64), ev, 0)
     pool, new = ev.select(slice(0, n - 500)), ev.select(slice(n - 500, n))
+    new = node_degree(torch.zeros(0, dtype=torch.int64), new, degree.numel())
     pos, w = ImportanceReplay(seed=0).select(pool, new, degree, 100)
     assert pos.shape == w.shape == (100,) and int(pos.max()) < n - 500 and (w > 0).all()
 

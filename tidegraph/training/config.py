@@ -154,6 +154,9 @@ class ContinualConfig:
     retrain_epochs: int = 1
     fresh_optimizer: bool = False
     forget_sample: int = 1000  # old events evaluated after each step (forgetting)
+    # the most events of the block under way (phase 1, an increment) the driver handles at
+    # once: ingest, the passes' batches and a spooled stream's reads go a window at a time
+    window_events: int = 1 << 20
 
     def __post_init__(self) -> None:
         check_fields(self, "continual")
@@ -192,6 +195,8 @@ class ContinualConfig:
             raise ValueError(f"continual.retrain_epochs must be >= 0, got {self.retrain_epochs}")
         if self.forget_sample < 0:
             raise ValueError(f"continual.forget_sample must be >= 0, got {self.forget_sample}")
+        if self.window_events < 1:
+            raise ValueError(f"continual.window_events must be >= 1, got {self.window_events}")
 
 
 MEMORY_PLACEMENTS = ("auto", "replicated", "sharded")

@@ -49,11 +49,11 @@ from tidegraph.storage.idmap import IdMap
 from tidegraph.training.config import RunConfig
 from tidegraph.training.data import Stream, stream_for
 from tidegraph.training.group import LocalGroup
-from tidegraph.training.history import EventHistory
+from tidegraph.training.history import EventHistory, windows
 from tidegraph.training.metrics import average_precision, link_metrics
 from tidegraph.training.progress import begin_pass, close_pass_bar, pass_bar, steps_shown
 from tidegraph.training.records import RecordLog, cluster_record
-from tidegraph.training.sampling import NegativeSampler, build_replay
+from tidegraph.training.sampling import NegativeSampler, build_replay, node_degree
 from tidegraph.training.schedule import Cursor, Schedule, Unit
 
 __all__ = ["ContinualLearner"]
@@ -88,7 +88,7 @@ class ContinualLearner:
         # the window in memory; old events from the log, a bounded sample of them to replay
         self.history_events = EventHistory(self.stream, event_log, live, c.replay_capacity,
                                            seed_for(seed, "reservoir"), c.replay == "importance",
-                                           self._block)  # fmt: skip
+                                           self._block, c.window_events)  # fmt: skip
         # node tables start empty and grow with the nodes seen; the placement rule sizes node
         # state by the stream's node count
         make = group or _local_group(config)
@@ -205,34 +205,54 @@ class ContinualLearner:
         return self.group.runs_passes
 
     def _run_pass(self, first: Unit) -> None:
-        """The units of one training or evaluation pass, as one call to the group: inputs
+        """The units of one training or evaluation pass, as calls to the group of a window
+        of events each (`continual.window_events`; one call for a pass no larger): inputs
         (events, replay, negatives) drawn in the order the units would draw them, results
         recorded as they would record them."""
         at = self.cursor.unit
-        todo = [self.schedule.unit(i) for i in range(at, at + first.parts)]
         ps = self.pass_state
-        progress = steps_shown(lambda i: pass_bar(ps, len(batches[i][0])))
         begin_pass(ps, self.schedule, at, first, self.config.progress)
-        if first.kind == "train":
-            batches = [self._train_inputs(u, ps) for u in todo]
-            with self.group.tracer.span("train pass", steps=len(batches)):
-                losses = self.group.train_pass(batches, progress)
-            for (ev, _, _, _), loss in zip(batches, losses, strict=True):
-                ps["losses"].append((loss, len(ev)))
-                ps["loss_events"] += len(ev)
-                self.cursor.step += 1
-        else:
-            batches = []
-            for u in todo:
-                ev = self._events(u.lo, u.hi)
-                batches.append((ev, self.negatives.sample(len(ev), self.eval_negatives)))
-            with self.group.tracer.span("evaluation", steps=len(batches)):
-                scores = self.group.eval_pass(batches, True, progress)
-            for p, n in scores:
-                ps["pos"].append(p)
-                ps["neg"].append(n)
-        progress(len(todo))
+        for todo in self._pass_windows(at, at + first.parts):
+            if first.kind == "train":
+                batches = [self._train_inputs(u, ps) for u in todo]
+                progress = steps_shown(lambda i, b=batches: pass_bar(ps, len(b[i][0])))
+                with self.group.tracer.span("train pass", steps=len(batches)):
+                    losses = self.group.train_pass(batches, progress)
+                for (ev, _, _, _), loss in zip(batches, losses, strict=True):
+                    ps["losses"].append((loss, len(ev)))
+                    ps["loss_events"] += len(ev)
+                    self.cursor.step += 1
+            else:
+                batches = []
+                for u in todo:
+                    ev = self._events(u.lo, u.hi)
+                    batches.append((ev, self.negatives.sample(len(ev), self.eval_negatives)))
+                progress = steps_shown(lambda i, b=batches: pass_bar(ps, len(b[i][0])))
+                with self.group.tracer.span("evaluation", steps=len(batches)):
+                    scores = self.group.eval_pass(batches, True, progress)
+                for p, n in scores:
+                    ps["pos"].append(p)
+                    ps["neg"].append(n)
+            progress(len(todo))
         self.cursor.unit = at + first.parts
+
+    def _pass_windows(self, begin: int, end: int):
+        """Units [begin, end) of a pass, in runs of at most a window of events (at least one
+        unit each)."""
+        todo, size = [], 0
+        for i in range(begin, end):
+            u = self.schedule.unit(i)
+            if todo and size + (u.hi - u.lo) > self.config.continual.window_events:
+                yield todo
+                todo, size = [], 0
+            todo.append(u)
+            size += u.hi - u.lo
+        if todo:
+            yield todo
+
+    def _windows(self, lo: int, hi: int) -> list[tuple[int, int]]:
+        """[lo, hi) cut in ranges of at most a window of events (`continual.window_events`)."""
+        return windows(lo, hi, self.config.continual.window_events)
 
     def _train_inputs(self, u: Unit, ps: dict):
         """(events, weights, negatives, new events) of training unit `u`."""
@@ -314,7 +334,7 @@ class ContinualLearner:
             self.group.new_optimizers()
         ps["t_train"] = time.perf_counter()
         # GNNFlow's restoration: seed the feature caches with the round's edges
-        self.group.restore_caches(self._events(u.lo, u.hi).eid)
+        self.group.restore_caches(torch.arange(u.lo, u.hi))  # eids are stream positions
         ps.update(loss=float("nan"), replayed=0)
 
     def _unit_restore(self, u: Unit, ps: dict) -> None:
@@ -323,14 +343,20 @@ class ContinualLearner:
     def _unit_replay(self, u: Unit, ps: dict) -> None:
         m = int(round(self.config.continual.replay_ratio * (u.hi - u.lo)))
         h = self.history_events
-        pos, weight = self.replay.select(h.pool(), self._events(u.lo, u.hi), h.degree, m)
+        changed = None  # the increment's events per node, for importance replay
+        if self.config.continual.replay == "importance":
+            changed = torch.zeros(0, dtype=torch.int64)
+            for lo, hi in self._windows(u.lo, u.hi):
+                changed = node_degree(changed, self._events(lo, hi), h.degree.numel())
+        pos, weight = self.replay.select(h.pool(), changed, h.degree, m)
         n_batches = -(-(u.hi - u.lo) // self.schedule.train_batch)
         ps.update(replay_pos=pos, replay_weight=weight, replayed=int(pos.numel()))
         ps["replay_parts"] = torch.tensor_split(torch.arange(pos.numel()), n_batches)
 
     def _unit_phase_end(self, u: Unit, ps: dict) -> dict:
         record = ps.pop("record")
-        self.history_events.learned(self._events(0, self.phase1_end))
+        for lo, hi in self._windows(0, self.phase1_end):
+            self.history_events.learned(self._events(lo, hi))
         self.cursor.phase1_done = True
         self.history_events.forget()
         self._log(record)
@@ -341,13 +367,12 @@ class ContinualLearner:
         k, start, end = u.increment, u.lo, u.hi
         train_s = time.perf_counter() - ps["t_train"]
         n_replay = ps["replayed"]
-        ev = self._events(start, end)
         record = {
             "phase": "increment",
             "increment": k,
             "events": end - start,
-            "t_start": float(ev.t[0]),
-            "t_end": float(ev.t[-1]),
+            "t_start": float(self._events(start, start + 1).t[0]),
+            "t_end": float(self._events(end - 1, end).t[0]),
             **ps["metrics"],
             "loss": ps["loss"],
             "replayed": n_replay,
@@ -359,7 +384,8 @@ class ContinualLearner:
         if stats is not None:  # cumulative feature-cache figures, for metrics
             for key in ("hit_rate", "bytes_h2d", "lookup_seconds", "capacity"):
                 record[f"edge_cache_{key}"] = stats[key]
-        self.history_events.learned(ev)
+        for lo, hi in self._windows(start, end):
+            self.history_events.learned(self._events(lo, hi))
         self.cursor.increment += 1
         self.history_events.forget()
         ps.clear()
@@ -510,9 +536,12 @@ class ContinualLearner:
     # ---- passes ---------------------------------------------------------------------------
 
     def ingest(self, start: int, end: int) -> None:
-        if end <= self.cursor.ingested:
-            return
-        lo = max(start, self.cursor.ingested)
+        """Events [start, end) to the durable log and the shards, a window at a time (those
+        ingested already are skipped)."""
+        for lo, hi in self._windows(max(start, self.cursor.ingested), end):
+            self._ingest(lo, hi)
+
+    def _ingest(self, lo: int, end: int) -> None:
         ev = self._events(lo, end)
         if self.event_log is not None:  # durable before any shard sees it, in external ids
             self.event_log.append(self._external(ev), lo, end)

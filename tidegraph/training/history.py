@@ -11,7 +11,10 @@ forgetting of each increment), mapped to dense ids through the stream's id map. 
 with a log drops old events from memory once learned (`forget`), so the driver's memory does
 not grow with the run. A spooled stream (a run from a file or a bundled dataset, with a run
 directory: `tidegraph.storage.spool`) holds none of its events: the block under way is read
-from the spool at its first use and dropped once learned. Other streams (built in memory)
+from the spool a window at a time (`window` events, `continual.window_events`: the units of a
+pass, read in order, come from one read of the spool per window; a range larger than the
+window is read alone and not held), so the driver holds at most a window of a block however
+large the block. Other streams (built in memory)
 keep their events but read old ones from the log all the same when there is one. The
 caller's `Stream` is not changed (a restart builds its learner from it again).
 """
@@ -26,19 +29,25 @@ from tidegraph.storage.events import EventBatch
 from tidegraph.storage.partition import PartitionTally
 from tidegraph.training.sampling import ReplayReservoir, node_degree
 
-__all__ = ["EventHistory"]
+__all__ = ["EventHistory", "windows"]
+
+
+def windows(lo: int, hi: int, size: int) -> list[tuple[int, int]]:
+    """[lo, hi) cut in ranges of at most `size` events."""
+    return [(a, min(a + size, hi)) for a in range(lo, hi, size)]
 
 
 class EventHistory:
     def __init__(
         self, stream, event_log, live: bool, capacity: int, seed: int, importance: bool,
-        block: Callable[[], tuple[int, int]],
+        block: Callable[[], tuple[int, int]], window: int = 1 << 20,
     ) -> None:  # fmt: skip
-        """`block()`: the bounds of the block under way (the events before it are old)."""
+        """`block()`: the bounds of the block under way (the events before it are old);
+        `window`: the most events of it a spooled stream holds at once."""
         self.stream, self.event_log, self.live = stream, event_log, live
         self.events, self.base = stream.events, 0
         self.spool = stream.spool  # a spooled stream's events: on disk, read a block at a time
-        self.block = block
+        self.block, self.window = block, window
         self.importance = importance
         self.reservoir = ReplayReservoir(capacity, seed)
         self.degree = torch.zeros(0, dtype=torch.int64)
@@ -61,8 +70,8 @@ class EventHistory:
 
     def read(self, lo: int, hi: int) -> EventBatch:
         """Events [lo, hi): from the window, or, old events of a run with a durable log,
-        read back from the log; a spooled stream's from its spool, the whole block under way
-        at its first read (it is then the window)."""
+        read back from the log; a spooled stream's from its spool, a window of the block
+        under way at a time (`_from_spool`)."""
         if lo >= self.old_end() or self.event_log is None:
             if self.spool is not None and not self.base <= lo <= hi <= self.end_held:
                 return self._from_spool(lo, hi)
@@ -79,13 +88,15 @@ class EventHistory:
         return ev
 
     def _from_spool(self, lo: int, hi: int) -> EventBatch:
-        """Events [lo, hi) of the spool: inside the block under way, the block is read and
-        held (its passes read it again); any other range is read alone."""
+        """Events [lo, hi) of the spool. Inside the block under way, and no larger than the
+        window: the window's events from `lo` on (to the block's end at most) are read and
+        held, for the reads that follow; any other range is read alone."""
         blo, bhi = self.block()
-        if not blo <= lo <= hi <= bhi:
+        if not blo <= lo <= hi <= bhi or hi - lo > self.window:
             return self.spool.read(lo, hi)
-        self.events, self.base = self.spool.read(blo, bhi), blo
-        return self.events.select(slice(lo - blo, hi - blo))
+        top = min(bhi, lo + self.window)
+        self.events, self.base = self.spool.read(lo, top), lo
+        return self.events.select(slice(0, hi - lo))
 
     def pool(self) -> EventBatch:
         """The old events replay and forgetting probes draw from (src, dst, t, eid)."""
@@ -128,13 +139,15 @@ class EventHistory:
 
     def count_old(self, blocks: list, ingested: int, partitioner, num_nodes: int) -> None:
         """The reservoir, degrees and partition counts of a checkpoint written before they
-        were kept: counted again from the learned `blocks` and the `ingested` events."""
+        were kept: counted again from the learned `blocks` and the `ingested` events, read a
+        window at a time."""
         for lo, hi in blocks:
-            self.learned(self.read(lo, hi))
+            for a, b in windows(lo, hi, self.window):
+                self.learned(self.read(a, b))
         done = blocks[-1][1] if blocks else 0
-        for lo, hi in [*blocks, (done, ingested)]:  # block by block: bounded reads
-            if hi > lo:
-                self.ingested(self.read(lo, hi), partitioner, num_nodes)
+        for lo, hi in [*blocks, (done, ingested)]:
+            for a, b in windows(lo, hi, self.window):
+                self.ingested(self.read(a, b), partitioner, num_nodes)
 
     def state_dict(self, store: str | None = None) -> dict:
         """`store`: the checkpoint store it is saved to (the reservoir's base is written

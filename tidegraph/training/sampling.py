@@ -221,10 +221,11 @@ class UniformReplay:
         self.generator = torch.Generator().manual_seed(seed)
 
     def select(
-        self, pool: EventBatch, new: EventBatch, degree: torch.Tensor, m: int
+        self, pool: EventBatch, changed: torch.Tensor | None, degree: torch.Tensor, m: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(positions in `pool` [m'], weights [m']) of replayed events; `new`: the latest
-        increment's events, `degree`: every node's events so far (both unused here)."""
+        """(positions in `pool` [m'], weights [m']) of replayed events; `changed`: every
+        node's events in the latest increment (`node_degree` of it), `degree`: every node's
+        events so far (both unused here)."""
         end = len(pool)
         m = min(m, end)
         pos = torch.randperm(end, generator=self.generator)[:m]
@@ -245,22 +246,19 @@ class ImportanceReplay(UniformReplay):
         self.floor = floor
 
     @staticmethod
-    def scores(pool: EventBatch, new: EventBatch, degree: torch.Tensor) -> torch.Tensor:
-        """s_e for the events of `pool` given the latest increment's events `new` and every
-        node's event count so far `degree` (`new` included)."""
-        n_nodes = degree.numel()
-        inc_nodes = torch.cat([new.src, new.dst])
-        changed = torch.bincount(inc_nodes, minlength=n_nodes).double()
-        change = changed / degree.double().clamp(min=1)
+    def scores(pool: EventBatch, changed: torch.Tensor, degree: torch.Tensor) -> torch.Tensor:
+        """s_e for the events of `pool` given every node's events in the latest increment
+        `changed` and every node's event count so far `degree` (the increment included)."""
+        change = changed.double() / degree.double().clamp(min=1)
         return 0.5 * (change[pool.src] + change[pool.dst])
 
     def select(
-        self, pool: EventBatch, new: EventBatch, degree: torch.Tensor, m: int
+        self, pool: EventBatch, changed: torch.Tensor | None, degree: torch.Tensor, m: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         end = len(pool)
         if end == 0 or m == 0:
             return torch.empty(0, dtype=torch.int64), torch.empty(0)
-        s = self.scores(pool, new, degree)
+        s = self.scores(pool, changed, degree)
         total = float(s.sum())
         uniform = torch.full_like(s, 1.0 / end)
         p = uniform if total == 0 else (1 - self.floor) * s / total + self.floor * uniform
