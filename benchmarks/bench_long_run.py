@@ -46,21 +46,24 @@ from common import machine, power_law_stream, write_json  # noqa: E402
 
 class PowerLawSource:
     """Increment k: `size` events of a power-law stream over `nodes` ids (seed k), at times
-    after increment k - 1's. The orchestrator's source interface (`tidegraph.storage.live`)."""
+    after increment k - 1's; phase 1 (k = 0): `first` events (default `size`). The
+    orchestrator's source interface (`tidegraph.storage.live`)."""
 
     waiting_for = "synthetic increment"
     path = "synthetic"
 
-    def __init__(self, increments: int, size: int, nodes: int) -> None:
+    def __init__(self, increments: int, size: int, nodes: int, first: int = 0) -> None:
         self.increments, self.size, self.nodes, self.k = increments, size, nodes, 0
+        self.first = first or size
 
     def next_events(self, timeout: float):
         if self.k > self.increments:  # phase 1, then the increments
             return None
-        src, dst, t = power_law_stream(self.size, self.nodes, seed=self.k)
+        n = self.first if self.k == 0 else self.size
+        start = 0 if self.k == 0 else self.first + (self.k - 1) * self.size
+        src, dst, t = power_law_stream(n, self.nodes, seed=self.k)
         self.k += 1
-        t = t + (self.k - 1) * self.size
-        return f"increment-{self.k - 1}", EventBatch(src, dst, t, torch.arange(self.size))
+        return f"increment-{self.k - 1}", EventBatch(src, dst, t + start, torch.arange(n))
 
     def state_dict(self) -> dict:
         return {"kind": "synthetic", "k": self.k}
@@ -69,13 +72,13 @@ class PowerLawSource:
         self.k = state["k"]
 
 
-def write_parquet(path: Path, increments: int, size: int, nodes: int) -> None:
+def write_parquet(path: Path, increments: int, size: int, nodes: int, first: int = 0) -> None:
     """The stream `PowerLawSource` hands out (phase 1, then `increments`), as one Parquet file
     written an increment at a time (a row group each)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    source = PowerLawSource(increments, size, nodes)
+    source = PowerLawSource(increments, size, nodes, first)
     with pq.ParquetWriter(str(path), pa.schema([("src", pa.int64()), ("dst", pa.int64()),
                                                 ("t", pa.float64())])) as out:  # fmt: skip
         while (got := source.next_events(0)) is not None:
@@ -97,13 +100,17 @@ def file_stream(cfg: RunConfig, run_dir: RunDir):
 def config(args, storage: str, data: str | None = None) -> RunConfig:
     file_run = {}
     if data is not None:  # phase 1 and the increments of the followed run, cut from a file
+        first = args.phase1_events or args.events_per_increment
+        total = first + args.increments * args.events_per_increment
         file_run = {"data": {"dataset": data},
                     "continual": {"forget_sample": 200, "num_increments": args.increments,
-                                  "train_fraction": 1 / (args.increments + 1)}}  # fmt: skip
+                                  "train_fraction": first / total}}  # fmt: skip
+    if args.window:
+        file_run.setdefault("continual", {"forget_sample": 200})["window_events"] = args.window
     return RunConfig.from_dict({
         "model": {"name": "tgn", "dim": 16, "time_dim": 16, "memory_dim": 16},
         "sampler": {"fanouts": [5]},
-        "train": {"batch_size": args.batch},
+        "train": {"batch_size": args.batch, **({"epochs": args.epochs} if args.epochs else {})},
         "continual": {"forget_sample": 200},
         "cluster": {"backend": "ray", "shards": args.shards, "trainers": args.trainers,
                     **({"trainer_resources": {"work": 1}, "shard_resources": {"work": 1}}
@@ -193,6 +200,11 @@ def main() -> None:
                    help="follow: increments handed out one at a time, as --follow does; file: "
                    "the same stream written to one Parquet file first, the run reading it "
                    "as a job given --dataset FILE does")  # fmt: skip
+    p.add_argument("--phase1-events", type=int, default=0,
+                   help="phase 1's events (default: one increment's)")  # fmt: skip
+    p.add_argument("--epochs", type=int, default=0, help="phase 1's epochs (0: the default)")
+    p.add_argument("--window", type=int, default=0,
+                   help="continual.window_events (0: the default)")  # fmt: skip
     p.add_argument("--label", default="", help="names the output (e.g. a commit)")
     p.add_argument("--storage", default=None, help="keep the run directory here (default: a "
                    "temporary one, deleted at the end)")  # fmt: skip
@@ -212,7 +224,8 @@ def main() -> None:
         run_dir = RunDir(storage, "long")
         if args.source == "file":
             data = Path(tmp) / "stream.parquet"
-            write_parquet(data, args.increments, args.events_per_increment, args.nodes)
+            write_parquet(data, args.increments, args.events_per_increment, args.nodes,
+                          args.phase1_events)  # fmt: skip
             cfg = config(args, storage, str(data))
             t_load = time.perf_counter()
             stream = file_stream(cfg, run_dir)
@@ -228,7 +241,8 @@ def main() -> None:
             )
             orch = Orchestrator(cfg, stream, run_dir=run_dir)
         else:
-            source = PowerLawSource(args.increments, args.events_per_increment, args.nodes)
+            source = PowerLawSource(args.increments, args.events_per_increment, args.nodes,
+                                    args.phase1_events)  # fmt: skip
             orch = Orchestrator(config(args, storage), run_dir=run_dir, source=source)
         timing = {"ingest": 0.0, "checkpoint": 0.0}
         wrapped = False

@@ -357,3 +357,48 @@ def test_a_ray_groups_checkpoint_bulk_is_written_by_its_actors(ray_session, tmp_
         assert_same_state(saved, learner.state_dict())
     finally:
         learner.group.shutdown()
+
+
+def test_a_checkpoint_the_driver_writes_moves_each_shards_new_edges_once(ray_session, tmp_path):
+    """A checkpoint the driver writes (a local run directory while another node is up: no
+    actor reaches the store): each shard sends its graph as the pieces written before, by
+    reference, and the edges added since, which the driver writes; so the graph's bytes
+    written at each checkpoint are those of its new edges (20 bytes a half-edge), the
+    checkpoint keeps one piece per checkpoint per shard, and it loads back bitwise as the
+    group's state."""
+    from tidegraph.orchestrator import make_group
+    from tidegraph.storage.checkpoint import TensorRef, chunks_of
+
+    raw = {**SMALL, "cluster": {"backend": "ray", "shards": 2, "trainers": 2},
+           "run_name": "tidegraph-moved-test"}  # fmt: skip
+    learner = ContinualLearner(RunConfig.from_dict(raw), load_stream("wikipedia", 6000),
+                               make_group)  # fmt: skip
+    uri = str(tmp_path / "checkpoints")
+    store = CheckpointStore.at(uri)
+    try:
+        learner.run_phase1()
+        kept: list[set] = []
+        done = 0  # events in the checkpoint before
+        for k in range(3):
+            if k:
+                learner.step()
+            before = store.chunk_keys()
+            state = learner.state_dict(None, uri)
+            shards = state["group"]["shards"]
+            graph_chunks = [chunks_of(s["graph"]["pieces"]) for s in shards]
+            assert all(isinstance(p["rows"], TensorRef) for s in shards
+                       for p in s["graph"]["pieces"])  # fmt: skip
+            assert [len(s["graph"]["pieces"]) for s in shards] == [k + 1] * 2
+            store.save(state, f"c{k}", keep=3)
+            new = set().union(*graph_chunks) - before
+            new_bytes = sum((tmp_path / "checkpoints" / "blobs" / c).stat().st_size for c in new)
+            added, done = learner.ingested - done, learner.ingested
+            assert 0 < new_bytes <= 20 * 2 * added + 64 * len(new), (k, new_bytes, added)
+            if kept:  # the pieces of the checkpoint before, referenced again
+                assert all(old <= now for old, now in zip(kept[-1], graph_chunks, strict=True))
+            kept.append(graph_chunks)
+        saved = store.load("c2")
+        with_segments(saved["group"]["shards"])
+        assert_same_state(saved, learner.state_dict())
+    finally:
+        learner.group.shutdown()

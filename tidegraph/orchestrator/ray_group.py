@@ -67,6 +67,7 @@ from tidegraph.orchestrator.shard_recovery import ShardRecovery
 from tidegraph.orchestrator.shard_table import ShardTable
 from tidegraph.recovery.budget import RecoveryBudget
 from tidegraph.recovery.policy import NoReplicaLeft
+from tidegraph.storage.checkpoint import CheckpointStore, TensorRef, put_state
 from tidegraph.timeline import clock_offset, shift
 from tidegraph.training.groupcore import GroupCore
 
@@ -379,12 +380,21 @@ class RayGroup(
         nodes = ray.get([a.node_id.remote() for a in actors.values()])
         return dict(zip(actors, nodes, strict=True))
 
-    def state_dict(self, store: str | None = None) -> dict:
+    def state_dict(self, store: str | None = None, saved_to: str | None = None) -> dict:
         """Every piece's state; `store` (a checkpoint store's URI every actor reaches): each
         shard and trainer writes its large tensors there and answers with refs, so the
-        driver never holds the graph or the model replicas."""
+        driver never holds the graph or the model replicas. Without one, `saved_to` (the
+        store the driver saves this state to): the driver writes the edges each shard added
+        since its last checkpoint there, and references the graph's older pieces, so a
+        shard's graph reaches the driver once, not at every checkpoint."""
         self.drain()
-        method, args = ("state_dict", ()) if store is None else ("state_chunks", (store,))
+        if store is None and saved_to is not None:
+            shards = self._robust(lambda: self._moved_shard_states(saved_to))
+        else:
+            method, args = ("state_dict", ()) if store is None else ("state_chunks", (store,))
+            shards = self._robust(
+                lambda: ray.get([getattr(s, method).remote(*args) for s in self.shards])
+            )  # fmt: skip
         self._taken = len(self.ingests)  # what `checkpointed` drops once this state is saved
         return {
             "journal_pos": self._cut_journal(),
@@ -394,11 +404,27 @@ class RayGroup(
             # ingest to every checkpoint, forever)
             "ingests": [(lo, hi, None) for lo, hi, _ in self.ingests],
             "start_trainers": self.start_trainers,  # W0 of `cluster.scale_rule`
-            "shards": self._robust(
-                lambda: ray.get([getattr(s, method).remote(*args) for s in self.shards])
-            ),  # fmt: skip
+            "shards": shards,
             "trainers": self._trainer_states(store),
         }
+
+    def _moved_shard_states(self, uri: str) -> list[dict]:
+        """The shards' states for a checkpoint the driver writes to the store at `uri`: each
+        shard's new graph piece written there by the driver, refs in its place (the shard
+        keeps them for its next checkpoint: `ShardCore.state_moved`)."""
+        have = CheckpointStore.at(uri).chunk_keys()
+        states = ray.get([s.state_moved.remote(uri, have) for s in self.shards])
+        told = []
+        for shard, state in zip(self.shards, states, strict=True):
+            graph = state["graph"]
+            pieces = graph.get("pieces")
+            if not pieces or isinstance(pieces[-1]["rows"], TensorRef):
+                continue  # not ordered (the segments go whole), or nothing new
+            pieces[-1] = put_state(uri, pieces[-1], inline=0, have=have)
+            end = int(graph["spans"][-1, 1])  # the eids the pieces hold: those below it
+            told.append(shard.pieces_written.remote(uri, pieces, end))
+        ray.get(told)
+        return states
 
     def checkpointed(self) -> None:
         """The state last taken is saved: a lost shard is rebuilt from it (or a newer one)

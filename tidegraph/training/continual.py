@@ -473,7 +473,7 @@ class ContinualLearner:
         place), where they can; `own_store`: the one this state is saved to (the replay
         reservoir's base is written there once)."""
         return {"orchestrator": self.orchestrator_state(own_store),
-                "group": self.group.state_dict(store)}  # fmt: skip
+                "group": self.group.state_dict(store, own_store)}  # fmt: skip
 
     def load_state_dict(self, state: dict, store: str | None = None) -> None:
         """`store`: the group's shard and trainer states may hold refs to the checkpoint

@@ -287,10 +287,11 @@ class LocalGroup(GroupCore):
     def checkpointed(self) -> None:
         """The state last taken is durable (nothing here is kept only for a rebuild)."""
 
-    def state_dict(self, store: str | None = None) -> dict:
+    def state_dict(self, store: str | None = None, saved_to: str | None = None) -> dict:
         """Every piece's state; `store` (a checkpoint store's URI): each piece writes its
         large tensors there and gives refs, as the actors of a Ray group do (the graph as
-        pieces written once: `ShardCore.state_chunks`)."""
+        pieces written once: `ShardCore.state_chunks`). `saved_to`: unused (every piece
+        here reaches the store the state is saved to)."""
         method, args = ("state_dict", ()) if store is None else ("state_chunks", (store,))
         return {
             **self._common_state(),
