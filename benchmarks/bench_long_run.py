@@ -121,13 +121,22 @@ def config(args, storage: str, data: str | None = None) -> RunConfig:
     })  # fmt: skip
 
 
-def rss_bytes(field: str = "VmRSS") -> int:
+def rss_bytes(field: str = "VmRSS", pid: int | str = "self") -> int:
     """The driver's resident memory (`VmRSS`), or one part of it: `RssAnon` (its own heap,
-    without the pages of Ray's shared-memory object store it has mapped: `RssShmem`)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
+    without the pages of Ray's shared-memory object store it has mapped: `RssShmem`); of
+    process `pid` (this machine's) instead."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith(f"{field}:"):
             return int(line.split()[1]) * 1024
     return 0
+
+
+def shard_memory(group) -> dict:
+    """The shard actors' own memory (RssAnon) and the object-store pages they map
+    (RssShmem), summed over them, in MB (processes of this machine)."""
+    pids = ray.get([s.pid.remote() for s in group.shards])
+    return {f"shards_{k.lower()}_mb": sum(rss_bytes(k, p) for p in pids) / 2**20
+            for k in ("RssAnon", "RssShmem")}  # fmt: skip
 
 
 def plasma_used_bytes() -> int:
@@ -291,6 +300,7 @@ def main() -> None:
                     "driver_anon_mb": rss_bytes("RssAnon") / 2**20,
                     "driver_shmem_mb": rss_bytes("RssShmem") / 2**20,
                     "plasma_used_mb": plasma_used_bytes() / 2**20, "driver_refs": driver_refs(),
+                    **shard_memory(learner.group),
                     "step_s": step_s,
                     "ingest_s": timing["ingest"], "checkpoint_s": timing["checkpoint"],
                     "eval_s": n / record["eval_events_per_s"],
@@ -318,7 +328,8 @@ def main() -> None:
     summary = {k: {"first_tenth": mean(first, k), "last_tenth": mean(last, k),
                    "ratio": mean(last, k) / max(mean(first, k), 1e-9)}
                for k in ("driver_rss_mb", "driver_hwm_mb", "driver_anon_mb", "driver_shmem_mb",
-                         "plasma_used_mb", "driver_refs", "checkpoint_written_mb",
+                         "shards_rssanon_mb", "shards_rssshmem_mb", "plasma_used_mb",
+                         "driver_refs", "checkpoint_written_mb",
                          "checkpoints_on_disk_mb", "step_s", "checkpoint_s")}  # fmt: skip
     summary["wall_s"] = time.perf_counter() - t_start
     print(json.dumps(summary, indent=1))

@@ -182,3 +182,46 @@ def test_an_actor_failing_in_its_constructor_names_the_cause_and_frees_the_group
     assert ray.available_resources().get("CPU") == total
     with pytest.raises(ValueError):
         ray.get_actor("tidegraph-coordinator", namespace="tidegraph-test-run")
+
+
+def test_a_published_segment_is_held_once_as_the_object_stores_copy(ray_session):
+    """A shard's segments, once published for same-node trainers, are the object store's
+    copies (the very memory a same-node trainer maps), bitwise the segments they replace, so
+    the node holds each once; the graph answers every query as before, merges go on over
+    them, and merged segments are published in their turn."""
+    from tidegraph.actors.segments import SegmentPublisher
+    from tidegraph.sampling.sampler import TemporalSampler
+    from tidegraph.storage.graph import DynamicGraph
+
+    g = torch.Generator().manual_seed(3)
+    graph = DynamicGraph(add_reverse=True)
+
+    def add(lo: int, n: int) -> None:
+        src, dst = (torch.randint(0, 300, (n,), generator=g) for _ in range(2))
+        graph.add_edges(src, dst, torch.arange(lo, lo + n, dtype=torch.float64))
+
+    for i in range(3):
+        add(i * 500, 500)
+    before = [tuple(getattr(s, k).clone() for k in ("nodes", "offsets", "nbr", "t", "eid"))
+              for s in graph.segments]  # fmt: skip
+    roots, t_hi = torch.arange(300), torch.full((300,), 1e9, dtype=torch.float64)
+    want = TemporalSampler(graph, (5,), "recent").sample_hop(roots, t_hi, 5)
+    publisher = SegmentPublisher()
+    refs = publisher.refs(graph)
+    assert len(refs) == len(graph.segments) == len(before)
+    for ref, seg, old in zip(refs, graph.segments, before, strict=True):
+        arrays, _ = ray.get(ref)
+        for k, x in zip(("nodes", "offsets", "nbr", "t", "eid"), old, strict=True):
+            assert getattr(seg, k).data_ptr() == arrays[k].ctypes.data  # the store's copy
+            assert torch.equal(getattr(seg, k), x)
+    got = TemporalSampler(graph, (5,), "recent").sample_hop(roots, t_hi, 5)
+    for name in ("nbr_ids", "nbr_ts", "nbr_eids", "mask"):
+        assert torch.equal(getattr(want, name), getattr(got, name)), name
+    assert want.mask.any()
+    assert publisher.refs(graph) == refs  # published once
+    add(1500, 2000)  # merges over the store's copies
+    again = publisher.refs(graph)
+    assert len(again) == len(graph.segments) and again[-1] not in refs
+    arrays, _ = ray.get(again[-1])
+    assert graph.segments[-1].nbr.data_ptr() == arrays["nbr"].ctypes.data
+    assert graph.num_edges == 3500

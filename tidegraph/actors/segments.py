@@ -1,8 +1,9 @@
 """Same-node sampling over a shard's immutable segments, shared through Ray's object store.
 
 A graph shard's segments never change once built, so a shard actor publishes each as numpy
-arrays in the object store (`publish`), and a trainer on the same node maps them without a copy
-(`SegmentView`) and samples its roots there: no request, no serialization per hop. Compaction
+arrays in the object store (`SegmentPublisher`) and keeps the store's copy in place of its
+own, and a trainer on the same node maps them without a copy (`SegmentView`) and samples its
+roots there: no request, no serialization per hop. Compaction
 replaces segments by merged ones, which are published in their turn; a view drops the ones its
 shard no longer lists. Trainers on other nodes keep asking the shard (`RemoteShard`), so no
 node holds a copy of another node's partition. For `recent` sampling both paths return the same
@@ -26,24 +27,30 @@ _ARRAYS = ("nodes", "offsets", "nbr", "t", "eid")
 
 
 class SegmentPublisher:
-    """The shard side: one object-store entry per live segment, reused while it lives."""
+    """The shard side: one object-store entry per live segment, reused while it lives. A
+    host segment, once published, is replaced in the graph by its object-store copy (mapped
+    without a copy, read-only: segments never change), so the shard's node holds it once,
+    for the shard and its same-node trainers alike."""
 
     def __init__(self) -> None:
         self._live: dict[int, tuple[Segment, ray.ObjectRef]] = {}
 
-    def refs(self, segments: list[Segment]) -> list[ray.ObjectRef]:
-        """Refs of `segments` (oldest first), publishing the new ones."""
-        live = {}
-        for seg in segments:
-            key = id(seg)
-            entry = self._live.get(key)
+    def refs(self, graph) -> list[ray.ObjectRef]:
+        """Refs of `graph`'s segments (oldest first), publishing the new ones."""
+        live, segments = {}, list(graph.segments)
+        for i, seg in enumerate(segments):
+            entry = self._live.get(id(seg))
             if entry is None or entry[0] is not seg:
                 arrays = {k: getattr(seg, k).cpu().numpy() for k in _ARRAYS}
                 meta = (seg.max_degree, seg.t_min, seg.t_max)
-                entry = (seg, ray.put((arrays, meta)))
-            live[key] = entry
+                ref = ray.put((arrays, meta))
+                if seg.host is None and seg.nbr.device.type == "cpu":
+                    segments[i] = seg = _segment(*ray.get(ref))
+                entry = (seg, ref)
+            live[id(seg)] = entry
+        graph.segments = segments
         self._live = live  # segments merged away are released here
-        return [self._live[id(seg)][1] for seg in segments]
+        return [entry[1] for entry in live.values()]
 
 
 class _GraphView:

@@ -36,7 +36,7 @@ class _Shard(ShardCore):
 
     def segment_refs(self) -> list:
         """Object-store refs of this shard's segments (published once each, zero-copy)."""
-        return self._publisher.refs(self.graph.segments)
+        return self._publisher.refs(self.graph)
 
     def ping(self) -> int:
         return self.part
