@@ -44,16 +44,29 @@ def _same(a: EventBatch, b: EventBatch) -> None:
             assert x.dtype == y.dtype and torch.equal(x, y), name
 
 
-@pytest.mark.parametrize(("feat", "int_t"), [(True, False), (False, True)])
-def test_a_spool_reads_back_any_range_bitwise(tmp_path, monkeypatch, feat, int_t):
+@pytest.mark.parametrize(("feat", "int_t", "uneven"),
+                         [(True, False, False), (False, True, False), (True, False, True)])
+def test_a_spool_reads_back_any_range_bitwise(tmp_path, monkeypatch, feat, int_t, uneven):
     """Parts of 700 events in row groups of 64: every range, across part and group edges,
-    reads back as the stream's own slice, dtypes and all."""
+    reads back as the stream's own slice, dtypes and all; `uneven`: a part whose row groups
+    differ in size (as another writer may cut them) reads by the groups its file lists."""
     monkeypatch.setattr(spool_module, "ROW_GROUP", 64)
     ev = _stream(2500, feat, int_t)
     batches = [ev.select(slice(lo, lo + 333)) for lo in range(0, 2500, 333)]
     spool = EventSpool.write(str(tmp_path / "s"), batches, {"k": 1}, part_events=700)
     spool.finish("x", 300, IdMap(300), None)
     assert spool.manifest["parts"] == [[0, 700], [700, 1400], [1400, 2100], [2100, 2500]]
+    if uneven:
+        import pyarrow.parquet as pq
+
+        path = tmp_path / "s" / "part-000000000700-000000001400.parquet"
+        table, sizes = pq.read_table(path), [10, 300, 1, 64, 325]
+        with pq.ParquetWriter(path, table.schema) as out:
+            at = 0
+            for n in sizes:
+                out.write_table(table.slice(at, n), row_group_size=n)
+                at += n
+        assert [pq.ParquetFile(path).metadata.row_group(i).num_rows for i in range(5)] == sizes
     g = torch.Generator().manual_seed(0)
     ranges = [(0, 2500), (0, 0), (699, 701), (64, 128), (1399, 2101), (2499, 2500), (764, 764),
               (700, 700), (2500, 2500)]  # fmt: skip
@@ -73,6 +86,9 @@ def test_an_unfinished_or_other_spool_is_not_opened(tmp_path):
     spool.finish("x", 300, IdMap(300), None)
     assert EventSpool.open(uri, {"k": 1}) is not None
     assert EventSpool.open(uri, {"k": 2}) is None  # other data settings: read again
+    manifest = json.loads((tmp_path / "s" / "manifest.json").read_text())
+    (tmp_path / "s" / "manifest.json").write_text(json.dumps({**manifest, "version": 2}))
+    assert EventSpool.open(uri, {"k": 1}) is None  # a layout this code does not know
 
 
 def test_dropped_parts_are_gone_and_refused_by_name(tmp_path):

@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 PART_EVENTS = 1 << 20
 ROW_GROUP = 1 << 16
 MANIFEST = "manifest.json"
+VERSION = 1  # of the layout; a spool of another is written again
 _DTYPES = {str(d): d for d in (torch.int64, torch.int32, torch.float64, torch.float32)}
 
 
@@ -68,6 +69,10 @@ class EventSpool:
         if fs.get_file_info(path).type == pafs.FileType.NotFound:
             return None
         manifest = json.loads(read_file(fs, path))
+        if manifest.get("version") != VERSION:
+            log.warning("spool %s has layout version %r, not %d; reading the data again", root,
+                        manifest.get("version"), VERSION)  # fmt: skip
+            return None
         if manifest.get("fingerprint") != fingerprint:
             log.warning("spool %s was written for other data settings; reading the data again",
                         root)  # fmt: skip
@@ -105,8 +110,8 @@ class EventSpool:
         if first is None:
             raise EmptyStream("EventSpool.write: the stream holds no events")
         manifest = {
-            "version": 1, "fingerprint": fingerprint, "num_events": at, "parts": parts,
-            "dropped_before": 0, "row_group": ROW_GROUP, "t": str(first.t.dtype),
+            "version": VERSION, "fingerprint": fingerprint, "num_events": at, "parts": parts,
+            "dropped_before": 0, "t": str(first.t.dtype),
             "label": None if first.label is None else str(first.label.dtype),
             "feat": None if first.edge_feat is None else [str(first.edge_feat.dtype),
                                                           int(first.edge_feat.shape[1])],
@@ -180,13 +185,13 @@ class EventSpool:
     def times(self, start: int) -> Iterator[torch.Tensor]:
         """The stream's times from event `start` on, a row group at a time."""
         p = max(bisect.bisect_right(self._starts, start) - 1, 0)
-        size = self.manifest.get("row_group", ROW_GROUP)
         for q in range(p, len(self._starts)):
             plo, phi = self.manifest["parts"][q]
             f = self._file(q)
+            starts = _group_starts(f)
             for g in range(f.num_row_groups):
-                glo = plo + g * size
-                if glo + size <= start:
+                glo = plo + starts[g]
+                if plo + starts[g + 1] <= start:
                     continue
                 t = _column(f.read_row_group(g, columns=["t"]), "t", self.manifest["t"])
                 yield t[max(start - glo, 0) :]
@@ -231,11 +236,12 @@ class EventSpool:
         """Events [lo, hi) of part p, reading only the row groups they fall in."""
         plo, phi = self.manifest["parts"][p]
         a, b = max(lo, plo) - plo, min(hi, phi) - plo
-        size = self.manifest.get("row_group", ROW_GROUP)  # as the parts were written
-        groups = list(range(a // size, -(-b // size)))
-        table = self._file(p).read_row_groups(groups)
-        skip = groups[0] * size
-        table = table.slice(a - skip, b - a)
+        f = self._file(p)
+        starts = _group_starts(f)  # as the file's metadata gives them
+        first = min(bisect.bisect_right(starts, a) - 1, f.num_row_groups - 1)
+        last = max(bisect.bisect_left(starts, b), first + 1)  # groups [first, last) hold it
+        table = f.read_row_groups(list(range(first, last)))
+        table = table.slice(a - starts[first], b - a)
         m = self.manifest
         src, dst = _column(table, "src", "torch.int64"), _column(table, "dst", "torch.int64")
         feat = label = None
@@ -281,6 +287,12 @@ def _split(batches: list[EventBatch], n: int) -> tuple[EventBatch, list[EventBat
             rest.append(b.select(slice(take, None)))
         got += take
     return EventBatch.cat(head), rest
+
+
+def _group_starts(f: pq.ParquetFile) -> list[int]:
+    """Where each row group of `f` starts, then its number of rows."""
+    md = f.metadata
+    return np.cumsum([0] + [md.row_group(g).num_rows for g in range(md.num_row_groups)]).tolist()
 
 
 def _write_part(fs, root: str, ev: EventBatch, lo: int) -> list[int]:
