@@ -44,8 +44,9 @@ def _same(a: EventBatch, b: EventBatch) -> None:
             assert x.dtype == y.dtype and torch.equal(x, y), name
 
 
-@pytest.mark.parametrize(("feat", "int_t", "uneven"),
-                         [(True, False, False), (False, True, False), (True, False, True)])
+@pytest.mark.parametrize(
+    ("feat", "int_t", "uneven"), [(True, False, False), (False, True, False), (True, False, True)]
+)
 def test_a_spool_reads_back_any_range_bitwise(tmp_path, monkeypatch, feat, int_t, uneven):
     """Parts of 700 events in row groups of 64: every range, across part and group edges,
     reads back as the stream's own slice, dtypes and all; `uneven`: a part whose row groups
