@@ -361,13 +361,14 @@ def test_a_ray_groups_checkpoint_bulk_is_written_by_its_actors(ray_session, tmp_
 
 def test_a_checkpoint_the_driver_writes_moves_each_shards_new_edges_once(ray_session, tmp_path):
     """A checkpoint the driver writes (a local run directory while another node is up: no
-    actor reaches the store): each shard sends its graph as the pieces written before, by
-    reference, and the edges added since, which the driver writes; so the graph's bytes
-    written at each checkpoint are those of its new edges (20 bytes a half-edge), the
-    checkpoint keeps one piece per checkpoint per shard, and it loads back bitwise as the
-    group's state."""
+    actor reaches the store): each actor puts its state as it would to the store and sends
+    only the chunks the store lacks, which the driver writes. So a shard's graph is the
+    pieces written before, by reference, and one of the edges added since (its bytes are
+    those of the new edges: 20 bytes a half-edge), the trainers' node-state tables are the
+    rows changed over what earlier checkpoints wrote, and the checkpoint loads back bitwise
+    as the group's state."""
     from tidegraph.orchestrator import make_group
-    from tidegraph.storage.checkpoint import TensorRef, chunks_of
+    from tidegraph.storage.checkpoint import RowDelta, TensorRef, chunks_of
 
     raw = {**SMALL, "cluster": {"backend": "ray", "shards": 2, "trainers": 2},
            "run_name": "tidegraph-moved-test"}  # fmt: skip
@@ -389,6 +390,9 @@ def test_a_checkpoint_the_driver_writes_moves_each_shards_new_edges_once(ray_ses
             assert all(isinstance(p["rows"], TensorRef) for s in shards
                        for p in s["graph"]["pieces"])  # fmt: skip
             assert [len(s["graph"]["pieces"]) for s in shards] == [k + 1] * 2
+            deltas = [v for t in state["group"]["trainers"] for v in t["model"].values()
+                      if isinstance(v, RowDelta)]  # fmt: skip
+            assert bool(deltas) == (k > 0)  # the first writes the tables whole
             store.save(state, f"c{k}", keep=3)
             new = set().union(*graph_chunks) - before
             new_bytes = sum((tmp_path / "checkpoints" / "blobs" / c).stat().st_size for c in new)

@@ -321,3 +321,26 @@ def test_packed_rows_unpack_at_any_row_count_and_offset():
         got = unpack_rows(rows[lo:hi], dtypes)
         assert all(torch.equal(g, c[lo:hi]) for g, c in zip(got, cols, strict=True)), (lo, hi)
     assert pack_rows([c[:0] for c in cols]).shape == (0, 28)
+
+
+def test_chunks_gathered_for_another_writer_are_what_a_put_there_would_write(tmp_path):
+    """A put within `gathered` (a process that does not reach the store) writes nothing: it
+    gives the refs a put there would give and the chunks the store lacks, by the listing
+    the caller passed; once the caller writes them the state saves and loads bitwise, and
+    what the store held already is not gathered again."""
+    from tidegraph.storage.checkpoint import chunks_of, gathered, put_state
+
+    uri = str(tmp_path / "c")
+    store = CheckpointStore.at(uri)
+    old = torch.arange(300_000, dtype=torch.float64)
+    store.save({"old": old}, "a", keep=2)
+    have = store.chunk_keys()
+    new = torch.randn(200_000)
+    refs, chunks = gathered(lambda: put_state(uri, {"old": old, "new": new}, inline=0), have)
+    assert store.chunk_keys() == have  # nothing written
+    assert chunks.keys() == chunks_of(refs["new"]) and not chunks.keys() & have
+    assert chunks_of(refs) == have | chunks.keys()
+    store.write_chunks(chunks, have)
+    store.save(refs, "b", keep=2)
+    back = store.load("b")
+    assert torch.equal(back["old"], old) and torch.equal(back["new"], new)

@@ -67,7 +67,7 @@ from tidegraph.orchestrator.shard_recovery import ShardRecovery
 from tidegraph.orchestrator.shard_table import ShardTable
 from tidegraph.recovery.budget import RecoveryBudget
 from tidegraph.recovery.policy import NoReplicaLeft
-from tidegraph.storage.checkpoint import CheckpointStore, TensorRef, put_state
+from tidegraph.storage.checkpoint import CheckpointStore
 from tidegraph.timeline import clock_offset, shift
 from tidegraph.training.groupcore import GroupCore
 
@@ -384,12 +384,13 @@ class RayGroup(
         """Every piece's state; `store` (a checkpoint store's URI every actor reaches): each
         shard and trainer writes its large tensors there and answers with refs, so the
         driver never holds the graph or the model replicas. Without one, `saved_to` (the
-        store the driver saves this state to): the driver writes the edges each shard added
-        since its last checkpoint there, and references the graph's older pieces, so a
-        shard's graph reaches the driver once, not at every checkpoint."""
+        store the driver saves this state to, which the actors may not reach): they put
+        their state as they would there, and send the chunks it lacks for the driver to
+        write (`checkpoint.gathered`), so what a checkpoint writes is the same either way
+        (a graph's new edges, node-state rows changed) and nothing else travels."""
         self.drain()
         if store is None and saved_to is not None:
-            shards = self._robust(lambda: self._moved_shard_states(saved_to))
+            shards = self._robust(lambda: self._written_here(saved_to, self.shards))
         else:
             method, args = ("state_dict", ()) if store is None else ("state_chunks", (store,))
             shards = self._robust(
@@ -405,25 +406,20 @@ class RayGroup(
             "ingests": [(lo, hi, None) for lo, hi, _ in self.ingests],
             "start_trainers": self.start_trainers,  # W0 of `cluster.scale_rule`
             "shards": shards,
-            "trainers": self._trainer_states(store),
+            "trainers": self._trainer_states(store, saved_to),
         }
 
-    def _moved_shard_states(self, uri: str) -> list[dict]:
-        """The shards' states for a checkpoint the driver writes to the store at `uri`: each
-        shard's new graph piece written there by the driver, refs in its place (the shard
-        keeps them for its next checkpoint: `ShardCore.state_moved`)."""
-        have = CheckpointStore.at(uri).chunk_keys()
-        states = ray.get([s.state_moved.remote(uri, have) for s in self.shards])
-        told = []
-        for shard, state in zip(self.shards, states, strict=True):
-            graph = state["graph"]
-            pieces = graph.get("pieces")
-            if not pieces or isinstance(pieces[-1]["rows"], TensorRef):
-                continue  # not ordered (the segments go whole), or nothing new
-            pieces[-1] = put_state(uri, pieces[-1], inline=0, have=have)
-            end = int(graph["spans"][-1, 1])  # the eids the pieces hold: those below it
-            told.append(shard.pieces_written.remote(uri, pieces, end))
-        ray.get(told)
+    def _written_here(self, uri: str, actors: list, call=None) -> list[dict]:
+        """The states of `actors` (shards, or trainers with `call`) put to the store at `uri`
+        by the driver: each gathers the chunks the store lacks, and the driver writes them."""
+        store = CheckpointStore.at(uri)
+        have = store.chunk_keys()
+        asks = [a.state_gathered.remote(uri, have) if call is None
+                else a.call.remote("state_gathered", uri, have) for a in actors]  # fmt: skip
+        states = []
+        for state, chunks in ray.get(asks):
+            store.write_chunks(chunks, have)
+            states.append(state)
         return states
 
     def checkpointed(self) -> None:
@@ -435,14 +431,18 @@ class RayGroup(
             self.ingests[i] = (lo, hi, None)
         self._dropped = max(self._dropped, self._taken)
 
-    def _trainer_states(self, store: str | None) -> list:
+    def _trainer_states(self, store: str | None, saved_to: str | None = None) -> list:
         """Every trainer's state; with a store, trainer 0 puts its chunks first, so the
-        others find the replicas' shared ones written and write only what is theirs."""
-        if store is None:
+        others find the replicas' shared ones written and write only what is theirs; without
+        one but with `saved_to`, the same with the driver writing the chunks they send."""
+        if store is None and saved_to is None:
             return self._all("state_dict")
         self._flush()
 
         def get() -> list:
+            if store is None:
+                first = self._written_here(saved_to, self.trainers[:1], "call")
+                return first + self._written_here(saved_to, self.trainers[1:], "call")
             first = ray.get(self.trainers[0].call.remote("state_chunks", store))
             rest = [t.call.remote("state_chunks", store) for t in self.trainers[1:]]
             return [first, *ray.get(rest)]

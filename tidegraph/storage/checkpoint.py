@@ -36,6 +36,7 @@ import hashlib
 import io
 import json
 import logging
+import threading
 import time
 import uuid
 from collections import OrderedDict
@@ -53,6 +54,7 @@ __all__ = [
     "TensorRef",
     "chunks_of",
     "compact",
+    "gathered",
     "pack_rows",
     "put_state",
     "read_file",
@@ -157,6 +159,26 @@ class DeltaTables:
         self.chains = {}
 
 
+_GATHER = threading.local()  # `gathered`'s chunks and listing, in the thread that asked
+
+
+def gathered(fn, have: set[str]):
+    """`fn()` (a state put to a checkpoint store: `state_chunks`) for a process that does
+    not reach the store, and the chunks it would have written there: its puts write
+    nothing, the chunks the store lacks (`have`: what it holds, as the caller listed it;
+    the store's listing within) are gathered as {key: bytes}. The caller, which reaches
+    the store, writes them (`CheckpointStore.write_chunks`) before saving the refs: an
+    actor on another node than a local run directory's sends what is new, once, not its
+    whole state."""
+    if getattr(_GATHER, "chunks", None) is not None:
+        raise RuntimeError("gathered: already gathering in this thread")
+    _GATHER.chunks, _GATHER.have = {}, have
+    try:
+        return fn(), _GATHER.chunks
+    finally:
+        _GATHER.chunks = _GATHER.have = None
+
+
 def chunks_of(state) -> set[str]:
     """The chunk keys the refs in `state` (a checkpoint loaded unresolved, or refs `put`
     returned) name."""
@@ -190,8 +212,19 @@ class CheckpointStore:
         return self._put(state, self.chunk_keys() if have is None else have, inline)
 
     def chunk_keys(self) -> set[str]:
-        """The keys of the chunks the store holds (one listing)."""
+        """The keys of the chunks the store holds (one listing; within `gathered`, the
+        caller's)."""
+        if getattr(_GATHER, "chunks", None) is not None:
+            return set(_GATHER.have)
         return self._blobs()
+
+    def write_chunks(self, chunks: dict[str, bytes], have: set[str]) -> None:
+        """Chunks another process gathered (`gathered`), those not in `have` (the store's,
+        the new ones added to it)."""
+        for key, data in chunks.items():
+            if key not in have:
+                self._write(f"blobs/{key}", data)
+                have.add(key)
 
     def _blobs(self) -> set[str]:
         """Names of the files in blobs/ (one listing)."""
@@ -206,9 +239,13 @@ class CheckpointStore:
             for a, b in _chunks(t, len(data)):
                 key = hashlib.blake2b(data[a:b], digest_size=20).hexdigest()
                 if key not in have:
-                    self._write(f"blobs/{key}", data[a:b])
+                    gathering = getattr(_GATHER, "chunks", None)
+                    if gathering is not None:  # for the caller to write (`gathered`)
+                        gathering[key] = bytes(data[a:b])
+                    else:
+                        self._write(f"blobs/{key}", data[a:b])
+                        self.last_written += b - a
                     have.add(key)
-                    self.last_written += b - a
                 keys.append(key)
             return TensorRef(str(t.dtype).removeprefix("torch."), tuple(t.shape), str(t.device),
                              tuple(keys))  # fmt: skip

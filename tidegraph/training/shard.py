@@ -33,6 +33,7 @@ from tidegraph.storage.checkpoint import (
     DeltaTables,
     TensorRef,
     chunks_of,
+    gathered,
     put_state,
 )
 from tidegraph.storage.events import EventBatch
@@ -300,27 +301,10 @@ class ShardCore:
             tables.update(self._deltas.put_tables(store, tables, self.node_state.model, have))
         return put_state(store, state, have=have)
 
-    def state_moved(self, store: str, have: set[str]) -> dict:
-        """`state_dict()` for a checkpoint that the driver writes to the store at `store`
-        (one this shard's node does not reach): the graph as its pieces, those the driver
-        wrote there before by reference (`have`: the chunks the store holds) and the edges
-        added since as a piece of tensors, so the graph travels to the driver once however
-        long the run. The driver writes that piece and gives its refs back
-        (`pieces_written`)."""
-        state = self.state_dict()
-        if self.graph.ordered:
-            held_store, pieces, end = self._pieces or (store, [], 0)
-            if held_store != store or not chunks_of(pieces) <= have:
-                pieces, end = [], 0
-            if self.graph.eid_end > end:
-                pieces = [*pieces, self.graph.rows_since(end)]
-            state["graph"] = self.graph.piece_state(pieces)
-        return state
-
-    def pieces_written(self, store: str, pieces: list, end: int) -> None:
-        """The driver wrote the graph's pieces up to eid `end` to the store at `store`
-        (`state_moved`): refs the next checkpoints there reference instead of moving them."""
-        self._pieces = (store, list(pieces), end)
+    def state_gathered(self, store: str, have: set[str]) -> tuple[dict, dict]:
+        """`state_chunks(store)` for a store this process does not reach, and the chunks to
+        write there (`checkpoint.gathered`: the caller writes them)."""
+        return gathered(lambda: self.state_chunks(store), have)
 
     def load_chunks(self, state: dict, store: str) -> None:
         """`load_state_dict` of a state whose large tensors are refs to the checkpoint store

@@ -29,7 +29,13 @@ from tidegraph.models.base import TemporalModel, link_roots
 from tidegraph.models.config import build_model
 from tidegraph.sampling.keyed import step_key
 from tidegraph.storage.cache import CachedFeatureStore
-from tidegraph.storage.checkpoint import CheckpointStore, DeltaTables, compact, put_state
+from tidegraph.storage.checkpoint import (
+    CheckpointStore,
+    DeltaTables,
+    compact,
+    gathered,
+    put_state,
+)
 from tidegraph.storage.events import EventBatch
 from tidegraph.timeline import Tracer, payload_bytes
 from tidegraph.training.fetch import flat_blocks, join_edge_features
@@ -452,6 +458,11 @@ class TrainerCore:
             tables = {k: model[k] for k in keys}
             model.update(self._deltas.put_tables(store, tables, self.model, have))
         return put_state(store, state, have=have)
+
+    def state_gathered(self, store: str, have: set[str]) -> tuple[dict, dict]:
+        """`state_chunks(store)` for a store this process does not reach, and the chunks to
+        write there (`checkpoint.gathered`: the caller writes them)."""
+        return gathered(lambda: self.state_chunks(store), have)
 
     def state_dict(self) -> dict:
         cache = self.edge_cache
