@@ -51,7 +51,8 @@ from tidegraph.training.data import Stream, stream_for
 from tidegraph.training.group import LocalGroup
 from tidegraph.training.history import EventHistory, windows
 from tidegraph.training.metrics import average_precision, link_metrics
-from tidegraph.training.progress import begin_pass, close_pass_bar, pass_bar, steps_shown
+from tidegraph.training.pass_windows import run_pass
+from tidegraph.training.progress import begin_pass, close_pass_bar, pass_bar
 from tidegraph.training.records import RecordLog, cluster_record
 from tidegraph.training.sampling import NegativeSampler, build_replay, node_degree
 from tidegraph.training.schedule import Cursor, Schedule, Unit
@@ -205,50 +206,7 @@ class ContinualLearner:
         return self.group.runs_passes
 
     def _run_pass(self, first: Unit) -> None:
-        """The units of one training or evaluation pass, as calls to the group of a window
-        of events each (`continual.window_events`; one call for a pass no larger): inputs
-        (events, replay, negatives) drawn in the order the units would draw them, results
-        recorded as they would record them."""
-        at = self.cursor.unit
-        ps = self.pass_state
-        begin_pass(ps, self.schedule, at, first, self.config.progress)
-        for todo in self._pass_windows(at, at + first.parts):
-            if first.kind == "train":
-                batches = [self._train_inputs(u, ps) for u in todo]
-                progress = steps_shown(lambda i, b=batches: pass_bar(ps, len(b[i][0])))
-                with self.group.tracer.span("train pass", steps=len(batches)):
-                    losses = self.group.train_pass(batches, progress)
-                for (ev, _, _, _), loss in zip(batches, losses, strict=True):
-                    ps["losses"].append((loss, len(ev)))
-                    ps["loss_events"] += len(ev)
-                    self.cursor.step += 1
-            else:
-                batches = []
-                for u in todo:
-                    ev = self._events(u.lo, u.hi)
-                    batches.append((ev, self.negatives.sample(len(ev), self.eval_negatives)))
-                progress = steps_shown(lambda i, b=batches: pass_bar(ps, len(b[i][0])))
-                with self.group.tracer.span("evaluation", steps=len(batches)):
-                    scores = self.group.eval_pass(batches, True, progress)
-                for p, n in scores:
-                    ps["pos"].append(p)
-                    ps["neg"].append(n)
-            progress(len(todo))
-        self.cursor.unit = at + first.parts
-
-    def _pass_windows(self, begin: int, end: int):
-        """Units [begin, end) of a pass, in runs of at most a window of events (at least one
-        unit each)."""
-        todo, size = [], 0
-        for i in range(begin, end):
-            u = self.schedule.unit(i)
-            if todo and size + (u.hi - u.lo) > self.config.continual.window_events:
-                yield todo
-                todo, size = [], 0
-            todo.append(u)
-            size += u.hi - u.lo
-        if todo:
-            yield todo
+        run_pass(self, first)
 
     def _windows(self, lo: int, hi: int) -> list[tuple[int, int]]:
         """[lo, hi) cut in ranges of at most a window of events (`continual.window_events`)."""
