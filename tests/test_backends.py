@@ -659,6 +659,8 @@ CASES = [
     Case("continual.retrain_epochs", {"continual": {"retrain_epochs": 2}}),
     Case("continual.fresh_optimizer", {"continual": {"fresh_optimizer": True}}),
     Case("continual.forget_sample", {"continual": {"forget_sample": 50}}),
+    # a block handled a window at a time (ingest, passes, reads) learns as one handled at once
+    Case("continual.window_events", {"continual": {"window_events": 150}}, "same"),
     # cluster
     Case(
         "cluster.trainers=min:max",
@@ -862,7 +864,7 @@ COMBINED = [
         "train": {"lr": 2e-3, "train_negatives": 2},
         "continual": {"increment_events": 150, "replay": "importance", "importance_floor": 0.3,
                       "replay_ratio": 0.8, "fresh_optimizer": True, "retrain_epochs": 2,
-                      "replay_capacity": 300},
+                      "replay_capacity": 300, "window_events": 250},
         "cluster": {"spare_trainers": 1, "shard_replicas": 2, "trainer_cpus": 0.5,
                     "shard_cpus": 0.25, "trainer_gpus": 0.5, "collective_timeout_s": 60.0,
                     "max_recoveries": 3,
