@@ -18,6 +18,7 @@ import numpy as np
 import ray
 import torch
 
+from tidegraph.runtime import release_free_memory
 from tidegraph.sampling.sampler import TemporalSampler
 from tidegraph.storage.segment import Segment
 
@@ -37,7 +38,7 @@ class SegmentPublisher:
 
     def refs(self, graph) -> list[ray.ObjectRef]:
         """Refs of `graph`'s segments (oldest first), publishing the new ones."""
-        live, segments = {}, list(graph.segments)
+        live, segments, replaced = {}, list(graph.segments), False
         for i, seg in enumerate(segments):
             entry = self._live.get(id(seg))
             if entry is None or entry[0] is not seg:
@@ -46,10 +47,13 @@ class SegmentPublisher:
                 ref = ray.put((arrays, meta))
                 if seg.host is None and seg.nbr.device.type == "cpu":
                     segments[i] = seg = _segment(*ray.get(ref))
+                    replaced = True
                 entry = (seg, ref)
             live[id(seg)] = entry
         graph.segments = segments
         self._live = live  # segments merged away are released here
+        if replaced:  # the heap the replaced copies held goes back to the OS
+            release_free_memory()
         return [entry[1] for entry in live.values()]
 
 

@@ -19,7 +19,7 @@ import os
 import ray
 
 from tidegraph.actors.segments import SegmentPublisher
-from tidegraph.runtime import release_free_memory, set_determinism
+from tidegraph.runtime import set_determinism
 from tidegraph.timeline import wall_us
 from tidegraph.training.shard import ShardCore
 
@@ -33,16 +33,10 @@ class _Shard(ShardCore):
         set_determinism(**runtime)
         super().__init__(*args, **kwargs)
         self._publisher = SegmentPublisher()
-        self._last_refs: list = []
 
     def segment_refs(self) -> list:
-        """Object-store refs of this shard's segments (published once each, zero-copy); the
-        heap the segments replaced by the store's copies held goes back to the OS."""
-        refs = self._publisher.refs(self.graph)
-        if refs != self._last_refs:  # segments published: their heap copies were let go
-            release_free_memory()
-        self._last_refs = refs
-        return refs
+        """Object-store refs of this shard's segments (published once each, zero-copy)."""
+        return self._publisher.refs(self.graph)
 
     def ping(self) -> int:
         return self.part
@@ -70,7 +64,6 @@ class _Part(_Shard):
     def __init__(self, *args, **kwargs) -> None:
         ShardCore.__init__(self, *args, **kwargs)
         self._publisher = SegmentPublisher()
-        self._last_refs: list = []
 
 
 class _Host:

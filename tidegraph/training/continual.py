@@ -194,7 +194,7 @@ class ContinualLearner:
         while True:
             unit = self.schedule.unit(self.cursor.unit)
             if unit.kind in ("train", "eval") and unit.part == 0 and self._whole_passes():
-                self._run_pass(unit)
+                run_pass(self, unit)
                 continue
             result = self.run_unit(unit)
             if unit.kind == kind:
@@ -204,9 +204,6 @@ class ContinualLearner:
         """Whether the group runs a whole pass per call (Ray trainers that exchange node-state
         updates among themselves, so the driver sends a pass's batches once)."""
         return self.group.runs_passes
-
-    def _run_pass(self, first: Unit) -> None:
-        run_pass(self, first)
 
     def _windows(self, lo: int, hi: int) -> list[tuple[int, int]]:
         """[lo, hi) cut in ranges of at most a window of events (`continual.window_events`)."""
