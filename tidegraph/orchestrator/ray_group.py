@@ -390,7 +390,9 @@ class RayGroup(
         (a graph's new edges, node-state rows changed) and nothing else travels."""
         self.drain()
         if store is None and saved_to is not None:
-            shards = self._robust(lambda: self._written_here(saved_to, self._shards_gathered))
+            shards = self._robust(
+                lambda: self._written_here(saved_to, self.shards, _shard_gathered)
+            )
         else:
             method, args = ("state_dict", ()) if store is None else ("state_chunks", (store,))
             shards = self._robust(
@@ -409,20 +411,17 @@ class RayGroup(
             "trainers": self._trainer_states(store, saved_to),
         }
 
-    def _written_here(self, uri: str, ask) -> list[dict]:
-        """States put to the store at `uri` by the driver: `ask(uri, have)` has actors
-        gather the chunks the store lacks (refs of `(state, chunks)`), the driver writes
-        them."""
+    def _written_here(self, uri: str, actors: list, ask) -> list[dict]:
+        """The states of `actors` put to the store at `uri` by the driver: `ask(actor, uri,
+        have)` has each gather the chunks the store lacks (a ref of `(state, chunks)`), and
+        the driver writes them."""
         store = CheckpointStore.at(uri)
         have = store.chunk_keys()
         states = []
-        for state, chunks in ray.get(ask(uri, have)):
+        for state, chunks in ray.get([ask(a, uri, have) for a in actors]):
             store.write_chunks(chunks, have)
             states.append(state)
         return states
-
-    def _shards_gathered(self, uri: str, have: set) -> list:
-        return [s.state_gathered.remote(uri, have) for s in self.shards]
 
     def checkpointed(self) -> None:
         """The state last taken is saved: a lost shard is rebuilt from it (or a newer one)
@@ -443,8 +442,8 @@ class RayGroup(
 
         def get() -> list:
             if store is None:
-                first = self._written_here(saved_to, _trainers_gathered(self.trainers[:1]))
-                return first + self._written_here(saved_to, _trainers_gathered(self.trainers[1:]))
+                first = self._written_here(saved_to, self.trainers[:1], _trainer_gathered)
+                return first + self._written_here(saved_to, self.trainers[1:], _trainer_gathered)
             first = ray.get(self.trainers[0].call.remote("state_chunks", store))
             rest = [t.call.remote("state_chunks", store) for t in self.trainers[1:]]
             return [first, *ray.get(rest)]
@@ -519,6 +518,10 @@ class RayGroup(
         self.trainers, self.shards, self.coordinator = [], [], None
 
 
-def _trainers_gathered(trainers: list):
-    """`RayGroup._written_here`'s ask for these trainer actors."""
-    return lambda uri, have: [t.call.remote("state_gathered", uri, have) for t in trainers]
+# `RayGroup._written_here`'s ask of a shard actor, and of a trainer actor (through its `call`)
+def _shard_gathered(shard, uri: str, have: set):
+    return shard.state_gathered.remote(uri, have)
+
+
+def _trainer_gathered(trainer, uri: str, have: set):
+    return trainer.call.remote("state_gathered", uri, have)
