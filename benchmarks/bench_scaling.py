@@ -9,6 +9,11 @@ backward), all-reduce, optimizer, apply (node-state updates of every slice), and
 the wall time (driver routing and negatives, Ray task dispatch and object transfer, waiting).
 
     python benchmarks/bench_scaling.py --dataset wikipedia --max-events 60000
+
+With `--slices 25,50,100,200,400` it measures instead one trainer (P = W = 1, 1 thread) on the
+local and the Ray backend at each of those batches, a trainer's slice at W = 200 / slice
+trainers: events/s and the rate against the slice of 200 (a step's fixed cost shows as the
+small slices' loss of rate), rounds interleaved.
 """
 
 from __future__ import annotations
@@ -37,12 +42,14 @@ CONFIGS = [("local", 1, 1, 1), ("local", 1, 1, 2), ("ray", 1, 1, 1), ("ray", 2, 
            ("ray", 1, 2, 1), ("ray", 2, 2, 1), ("ray", 2, 4, 1)]  # fmt: skip
 
 
-def config(args, backend: str, shards: int, trainers: int, threads: int) -> RunConfig:
+def config(
+    args, backend: str, shards: int, trainers: int, threads: int, batch: int | None = None
+) -> RunConfig:
     tolerance = None if args.rebalance_tolerance == "none" else float(args.rebalance_tolerance)
     return RunConfig.from_dict({
         "model": {"name": "tgn"},
         "data": {"dataset": args.dataset, "max_events": args.max_events},
-        "train": {"batch_size": args.batch_size},
+        "train": {"batch_size": batch or args.batch_size},
         "cluster": {"backend": backend, "shards": shards, "trainers": trainers,
                     "rebalance_tolerance": tolerance},
         "progress": False, "out_dir": None, "threads": threads, "run_name": "bench-scaling",
@@ -84,8 +91,8 @@ def timed_pass(cfg: RunConfig, stream, warmup: int, counters=None) -> dict:
         learner.group.shutdown()
 
 
-def measure(args, stream, backend, shards, trainers, threads, repeat=0) -> dict:
-    cfg = config(args, backend, shards, trainers, threads)
+def measure(args, stream, backend, shards, trainers, threads, repeat=0, batch=None) -> dict:
+    cfg = config(args, backend, shards, trainers, threads, batch)
     run = timed_pass(cfg, stream, args.warmup)
     wall, steps, seconds, meta = run["wall_s"], run["steps"], run["seconds"], run["meta"]
     split = {p: statistics.mean(s.get(p, 0.0) for s in seconds) / steps * 1e3 for p in PHASES}
@@ -126,12 +133,21 @@ def main() -> None:
         default=None,
         help="only these, e.g. local:1:1:2,ray:1:2:1 (backend:P:W:threads)",
     )
+    p.add_argument(
+        "--slices",
+        default=None,
+        help="one trainer at these batches instead, e.g. 25,50,100,200,400",
+    )
     args = p.parse_args()
     import ray
 
     ray.init(_node_ip_address="127.0.0.1", num_cpus=args.cpus, include_dashboard=False,
              configure_logging=False)  # fmt: skip
     stream = load_stream(args.dataset, args.max_events)
+    if args.slices:
+        slice_rates(args, stream, [int(b) for b in args.slices.split(",")])
+        ray.shutdown()
+        return
     configs = CONFIGS
     if args.configs:
         parse = lambda c: (c[0], int(c[1]), int(c[2]), int(c[3]))  # noqa: E731
@@ -164,6 +180,30 @@ def main() -> None:
                     "edge_skew": best["edge_skew"]})  # fmt: skip
     name = f"scaling_{args.dataset}_{args.max_events}_rebalance-{args.rebalance_tolerance}.json"
     write_json(name, {"args": vars(args), "rows": out})
+
+
+def slice_rates(args, stream, batches: list[int]) -> None:
+    """One trainer's events/s at each batch in `batches`, local and Ray (1 thread)."""
+    rows = {(b, n): [] for b in ("local", "ray") for n in batches}
+    for i in range(args.repeats):
+        for backend, n in rows:
+            rows[backend, n].append(measure(args, stream, backend, 1, 1, 1, i, batch=n))
+    print(f"{machine()}; {args.dataset} {args.max_events} events, TGN, one trainer, 1 thread")
+    head = ["backend", "slice", "ev/s", "x slice200", "ms/step", *PHASES, "other"]
+    print(" ".join(f"{h:>10}" for h in head))
+    out = []
+    for (backend, n), runs in rows.items():
+        rate = statistics.median(r["events_per_s"] for r in runs)
+        ref = rows.get((backend, 200))
+        ref = statistics.median(r["events_per_s"] for r in ref) if ref else float("nan")
+        ms = min(runs, key=lambda r: sum(r["ms_per_step"].values()))["ms_per_step"]
+        cells = [backend, n, f"{rate:.0f}", f"{rate / ref:.2f}", f"{sum(ms.values()):.2f}",
+                 *(f"{ms[k]:.2f}" for k in (*PHASES, "other"))]  # fmt: skip
+        print(" ".join(f"{x:>10}" for x in cells))
+        out.append({"backend": backend, "slice": n, "events_per_s": rate,
+                    "rates": [r["events_per_s"] for r in runs], "vs_slice_200": rate / ref,
+                    "ms_per_step": ms})  # fmt: skip
+    write_json(f"slices_{args.dataset}_{args.max_events}.json", {"args": vars(args), "rows": out})
 
 
 if __name__ == "__main__":

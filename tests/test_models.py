@@ -219,6 +219,44 @@ def test_tgn_commit_records_events_and_discard_leaves_state(device):
     assert (model.memory.memory[ev.src].abs().sum(1) > 0).all()
 
 
+def test_tgn_static_memory_starts_as_tgn_learns_and_stays_out_of_node_state(device):
+    # built last, the zero table leaves every other parameter as plain TGN's: same scores
+    graph, src, dst, t = _graph(device)
+    sampler = TemporalSampler(graph, [5], seed=0)
+    ev = EventBatch(src[:20], dst[:20], t[:20] + 400, torch.arange(20, device=device))
+    models = []
+    for static in (False, True):
+        torch.manual_seed(0)
+        models.append(TGN(graph.num_nodes, **SMALL, static_memory=static).to(device))
+    plain, static = models
+    torch.manual_seed(1)
+    first = _score(plain, sampler, ev.src, ev.dst, ev.t)
+    torch.manual_seed(1)
+    pos, neg = _score(static, sampler, ev.src, ev.dst, ev.t)
+    assert torch.equal(first[0], pos) and torch.equal(first[1], neg)
+    (pos.sum() - neg.sum()).backward()
+    table = static.static.table
+    touched = torch.zeros(graph.num_nodes, dtype=torch.bool, device=device)
+    touched[static._stash[0]] = True
+    assert table.grad[touched].abs().sum(1).gt(0).any() and not table.grad[~touched].any()
+    with torch.no_grad():
+        table.add_(1.0)
+    static.commit(ev)  # node state is the memory alone, never memory plus the table
+    plain.commit(ev)
+    assert torch.equal(static.memory.memory, plain.memory.memory)
+    static.grow(graph.num_nodes + 7)
+    assert table.shape[0] < static.static.table.shape[0] == graph.num_nodes + 7
+    fresh = TGN(5, **SMALL, static_memory=True).to(device)
+    fresh.load_state_dict(static.state_dict())
+    assert torch.equal(fresh.static.table, static.static.table)
+
+
+def test_static_memory_is_a_tgn_option():
+    assert build_model(ModelConfig(name="tgn", static_memory=True, **SMALL), 4).static is not None
+    with pytest.raises(ValueError, match="model.static_memory.*'tgat'"):
+        ModelConfig(name="tgat", static_memory=True)
+
+
 def test_jodie_projects_memory_over_time_since_last_update(device):
     torch.manual_seed(0)
     model = JODIE(6, dim=8, memory_dim=8, time_dim=4).to(device)

@@ -45,6 +45,12 @@ class ModelConfig:
     # same AP), float32 elsewhere; "fp32" and "bf16" force one. With bf16 on the CPU the time
     # encodings feeding them use a cosine accurate to bf16 (`tidegraph.ops.bf16_cos_`)
     slot_precision: str = "auto"
+    # TGN only: a learned table of node embeddings ("static node memory", DistTGL) added to
+    # the dynamic memory as each node's layer-0 state. It carries what does not depend on how
+    # fresh the memory is, so it helps most where every slice of a large global batch reads
+    # the same memory snapshot (benchmarks/RESULTS.md, "Large global batches"); its gradient
+    # is nodes x memory_dim values more per step (JODIE has such a table already)
+    static_memory: bool = False
 
     def __post_init__(self) -> None:
         check_fields(self, "model")
@@ -60,6 +66,11 @@ class ModelConfig:
             )
         if self.dim % self.heads:
             raise ValueError(f"model.dim ({self.dim}) must be divisible by model.heads")
+        if self.static_memory and self.name != "tgn":
+            raise ValueError(
+                f"model.static_memory is a TGN option (jodie has a static embedding of its "
+                f"own), got model.name {self.name!r}"
+            )
         if self.num_layers is None:
             self.num_layers = DEFAULT_LAYERS[self.name]
         if self.name == "jodie" and self.num_layers != 0:
@@ -87,7 +98,8 @@ def build_model(
     """A fresh model; parameters come from torch's global generator (seed it first)."""
     c = config
     if c.name == "tgn":
-        model = TGN(num_nodes, c.dim, c.memory_dim, c.time_dim, edge_dim, c.num_layers, c.heads)
+        model = TGN(num_nodes, c.dim, c.memory_dim, c.time_dim, edge_dim, c.num_layers, c.heads,
+                    static_memory=c.static_memory)  # fmt: skip
     elif c.name == "tgat":
         nodes = dict(node_features=node_features, node_feat_dim=node_feat_dim)
         model = TGAT(num_nodes, c.dim, c.time_dim, edge_dim, c.num_layers, c.heads, **nodes)

@@ -40,9 +40,12 @@ class NodeInput(nn.Module):
     the global generator, which the caller seeds) and is a buffer, so checkpoints keep it.
     """
 
-    def __init__(self, num_nodes: int, dim: int, features=None, feat_dim: int = 0) -> None:
+    def __init__(
+        self, num_nodes: int, dim: int, features=None, feat_dim: int = 0, init_scale: float = 0.1
+    ) -> None:
         super().__init__()
         self.dim = dim
+        self.init_scale = init_scale  # of the table's initial N(0, 1) draws
         self.features = features
         if features is not None:
             self.proj = nn.Linear(feat_dim, dim)
@@ -59,7 +62,7 @@ class NodeInput(nn.Module):
         blocks = []
         for block in range(lo // b, -(-hi // b)):
             gen = torch.Generator().manual_seed(int(self.table_seed) + block)
-            blocks.append(torch.randn(b, self.dim, generator=gen) * 0.1)
+            blocks.append(torch.randn(b, self.dim, generator=gen) * self.init_scale)
         if not blocks:
             return torch.empty(0, self.dim, device=device)
         start = (lo // b) * b

@@ -12,7 +12,12 @@ import torch
 from torch import nn
 
 from tidegraph.models.base import TemporalModel
-from tidegraph.models.layers import TemporalAttention, blocks_bottom_up, edge_features
+from tidegraph.models.layers import (
+    NodeInput,
+    TemporalAttention,
+    blocks_bottom_up,
+    edge_features,
+)
 from tidegraph.models.memory import TGNMemory
 from tidegraph.models.time_encoding import TimeEncoder
 from tidegraph.ops import gather_rows
@@ -118,6 +123,7 @@ class TGN(MemoryModel):
         edge_dim: int = 0,
         num_layers: int = 1,
         heads: int = 2,
+        static_memory: bool = False,
     ) -> None:
         super().__init__(dim)
         self.num_layers = num_layers
@@ -128,6 +134,14 @@ class TGN(MemoryModel):
             TemporalAttention(memory_dim if i == 0 else dim, self.time_enc, edge_dim, dim, heads)
             for i in range(num_layers)
         )
+        # static node memory: learned rows added to the memory as layer-0 states, zero at
+        # first (the model starts as plain TGN); never part of the node state it commits
+        self.static = NodeInput(num_nodes, memory_dim, init_scale=0.0) if static_memory else None
+
+    def grow(self, num_nodes: int) -> None:
+        super().grow(num_nodes)
+        if self.static is not None:
+            self.static.grow(num_nodes)
 
     def embed(self, ids: torch.Tensor, ts: torch.Tensor, blocks: list) -> torch.Tensor:
         # the nodes touched are the bottom hop's roots (`ids` themselves for one layer, else
@@ -139,6 +153,8 @@ class TGN(MemoryModel):
         root_pos, nbr_pos = inv.split([bottom.num_roots, bottom_nbrs.shape[0]])
         mem, last = self.memory.updated(n_id)
         self._stash = (n_id, mem, last)
+        if self.static is not None:
+            mem = mem + self.static(n_id)
 
         def h0(x: torch.Tensor) -> torch.Tensor:  # called with the bottom hop's roots
             pos = root_pos if x is bottom.dst_ids else torch.searchsorted(n_id, x)
