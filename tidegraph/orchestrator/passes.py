@@ -1,11 +1,11 @@
 """Whole passes: every step of a training or evaluation pass in one task per trainer.
 
 With replicated node state the trainers exchange each step's updates among themselves, so the
-driver sends a pass's slices once and reads the steps' progress from the coordinator while it
-runs. A trainer lost midway is recovered and the pass goes on from the survivors' last whole
-step; a resize asked for meanwhile stops the trainers after a step, and the rest of the pass
-is cut anew for the new group. Recoveries that make no progress end the pass
-(`recovery.steps.pass_stall`).
+driver sends a pass's slices once (packed: a few tensors per trainer, `PackedSteps`) and reads
+the steps' progress from the coordinator while it runs. A trainer lost midway is recovered and
+the pass goes on from the survivors' last whole step; a resize asked for meanwhile stops the
+trainers after a step, and the rest of the pass is cut anew for the new group. Recoveries that
+make no progress end the pass (`recovery.steps.pass_stall`).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import logging
 
 import ray
 
-from tidegraph.orchestrator.pipeline import owned
 from tidegraph.recovery.steps import pass_stall, stall_message
+from tidegraph.training.packed import PackedSteps
 
 __all__ = ["Passes"]
 
@@ -42,8 +42,8 @@ class Passes:
             per_trainer = [[] for _ in self.trainers]
             for ev, weight, neg, num_observe in batches:
                 for w, args in enumerate(self._train_cut(ev, weight, neg, num_observe)):
-                    per_trainer[w].append(owned(args))
-            return per_trainer
+                    per_trainer[w].append(args)
+            return [PackedSteps(steps) for steps in per_trainer]
 
         return self._pass("train_pass", batches, cut, (), progress)
 
@@ -54,8 +54,8 @@ class Passes:
             per_trainer = [[] for _ in self.trainers]
             for ev, neg in batches:
                 for w, (lo, hi) in enumerate(self.balancer.bounds(ev, neg, self.num_trainers)):
-                    per_trainer[w].append(owned((ev.select(slice(lo, hi)), neg[lo:hi])))
-            return per_trainer
+                    per_trainer[w].append((ev.select(slice(lo, hi)), neg[lo:hi]))
+            return [PackedSteps(steps) for steps in per_trainer]
 
         return self._pass("eval_pass", batches, cut, (observe,), progress)
 
