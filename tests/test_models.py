@@ -251,6 +251,33 @@ def test_tgn_static_memory_starts_as_tgn_learns_and_stays_out_of_node_state(devi
     assert torch.equal(fresh.static.table, static.static.table)
 
 
+def test_a_steps_slices_commit_at_once_as_one_after_another(device):
+    # W slices' rows (ids overlapping across slices, values differing): one batched commit
+    # leaves what committing them in slice order leaves, the last slice's row winning
+    torch.manual_seed(0)
+    models = [TGN(30, **SMALL).to(device) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    models[0].memory.has_msg[::3] = True
+    models[1].memory.has_msg[::3] = True
+    gen = torch.Generator().manual_seed(1)
+    rows = []
+    for n in (12, 7, 15):
+        ids = torch.randperm(30, generator=gen)[:n].to(device)
+        rows.append((ids, torch.randn(n, 16, generator=gen).to(device),
+                     torch.rand(n, generator=gen, dtype=torch.float64).to(device)))  # fmt: skip
+    updates = [{"rows": rows[:2]}, None, {"rows": rows[2:]}]
+    commits = []
+    write = models[0].memory.commit
+    models[0].memory.commit = lambda *a: commits.append(len(a[0])) or write(*a)
+    models[0].apply_updates(updates)
+    assert len(commits) == 1  # one write of the distinct nodes, whatever the slices
+    assert commits[0] == len(torch.unique(torch.cat([r[0] for r in rows])))
+    for ids, mem, last in rows:
+        models[1].memory.commit(ids, mem, last)
+    for name, table in models[1].memory.tables().items():
+        assert torch.equal(models[0].memory.tables()[name], table), name
+
+
 def test_static_memory_is_a_tgn_option():
     assert build_model(ModelConfig(name="tgn", static_memory=True, **SMALL), 4).static is not None
     with pytest.raises(ValueError, match="model.static_memory.*'tgat'"):

@@ -20,7 +20,7 @@ from tidegraph.models.layers import (
 )
 from tidegraph.models.memory import TGNMemory
 from tidegraph.models.time_encoding import TimeEncoder
-from tidegraph.ops import gather_rows
+from tidegraph.ops import gather_rows, latest_rows
 from tidegraph.storage.events import EventBatch
 
 __all__ = ["MemoryModel", "TGN"]
@@ -82,12 +82,13 @@ class MemoryModel(TemporalModel):
 
     def apply_updates(self, updates: list[dict | None], owned=None) -> None:
         updates = [u for u in updates if u is not None]
-        for u in updates:
-            for ids, mem, last in u["rows"]:
-                if owned is not None:
-                    keep = owned(ids).nonzero().squeeze(1)
-                    ids, mem, last = (x.index_select(0, keep) for x in (ids, mem, last))
-                self.memory.commit(ids, mem, last)
+        rows = [r for u in updates for r in u["rows"]]
+        if rows:
+            ids, mem, last = _last_rows(rows)
+            if owned is not None:
+                keep = owned(ids).nonzero().squeeze(1)
+                ids, mem, last = (x.index_select(0, keep) for x in (ids, mem, last))
+            self.memory.commit(ids, mem, last)
         events = [u["events"] for u in updates if "events" in u]
         if not events:
             return
@@ -109,6 +110,19 @@ class MemoryModel(TemporalModel):
     def load_node_state(self, state: dict) -> None:
         self.discard()
         self.memory.load_state_tensors(state)
+
+
+def _last_rows(rows: list[tuple]) -> tuple[torch.Tensor, ...]:
+    """The (ids, memory, last update) rows of every forward pass of a step (each pass's ids
+    distinct; slices in order) as one commit: per node, the row of the last pass that holds
+    it, as committing the passes one after another would leave it. One batched write
+    whatever the number of slices W."""
+    if len(rows) == 1:
+        return rows[0]
+    ids, mem, last = (torch.cat([r[i] for r in rows]) for i in range(3))
+    order = torch.arange(ids.shape[0], device=ids.device)
+    uniq, row = latest_rows(ids, order)
+    return uniq, mem.index_select(0, row), last.index_select(0, row)
 
 
 class TGN(MemoryModel):
