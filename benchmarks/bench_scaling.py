@@ -104,6 +104,8 @@ def measure(args, stream, backend, shards, trainers, threads, repeat=0, batch=No
                     steps=steps, machine=machine())  # fmt: skip
         name = f"trace_{backend}_P{shards}_W{trainers}_t{threads}_{args.compression}"
         name += "_overlap" if args.overlap else ""
+        batch = cfg.train.batch_size
+        name += f"_b{batch}" if batch != 200 else ""  # a --batch-size run beside the default
         write_json(f"{name}{f'_r{repeat}' if args.repeats > 1 else ''}.json",
                    trace_document(run["trace"], meta))  # fmt: skip
     return {"events_per_s": run["events"] / wall, "ms_per_step": split, "steps": steps,

@@ -892,8 +892,9 @@ COMBINED = [
                           on_ray(_recovered),
                           on_ray(_update_log), on_ray(_overlapped), on_both(_checkpoints),
                           on_both(_timeline)),
-         # the cost model plans buckets from when gradients were ready in backward, on Ray
-         # (overlap) as measured: the node table's bucket, hence the bytes, vary with timing
+         # with the node table the gradient is two buckets: Ray's trainers send them during
+         # backward (overlap), counting a flag byte a bucket where the in-process reduction
+         # counts one a pipeline stage, so the bytes differ by how they were sent
          unequal=("records[].ratio", "summary.comm", "state.trainers[].comm")),
     Case("tgat+features+uniform+elastic", {
         "model": {"name": "tgat", "num_layers": 1, "slot_precision": "auto"},

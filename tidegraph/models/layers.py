@@ -58,6 +58,8 @@ class NodeInput(nn.Module):
 
     def _init_rows(self, lo: int, hi: int, device: torch.device) -> torch.Tensor:
         """Initial values of rows [lo, hi): one draw per block of ids (not per row)."""
+        if self.init_scale == 0.0:  # no draws needed (the seed was drawn all the same)
+            return torch.zeros(max(hi - lo, 0), self.dim, device=device)
         b = _INIT_BLOCK
         blocks = []
         for block in range(lo // b, -(-hi // b)):
