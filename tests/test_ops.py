@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
+import sys
 
 import pytest
 import torch
 from torch import nn
 
-from tidegraph.models.time_encoding import TimeEncoder
+from tidegraph.models.time_encoding import MAX_DT, TimeEncoder
 from tidegraph.ops import bf16_cos_, slot_linear
 
 
@@ -30,6 +31,35 @@ def test_bf16_cos_overwrites_its_input_and_keeps_nan():
         out[:3], torch.cos(torch.tensor([0.0, math.pi, 1e4])), atol=1e-3, rtol=0
     )
     assert out[3:].isnan().all()
+
+
+def test_bf16_cos_is_bounded_for_any_finite_argument():
+    # beyond |x| ~ 1e7 the float32 reduction leaves more than a period; the polynomial of the
+    # remainder would reach inf (then NaN): the result stays a cosine's range instead
+    x = torch.tensor([1e7, -3e8, 1e11, 1e15, 1e20, -1e30, 3.4e38])
+    out = bf16_cos_(x.clone())
+    assert bool(out.isfinite().all()) and float(out.abs().max()) <= 1.01
+    small = torch.linspace(-1e6, 1e6, 200_001)  # below it the clamp changes no bit
+    r = torch.add(small, torch.mul(small, 1 / (2 * math.pi)).round_(), alpha=-2 * math.pi)
+    assert float(r.abs().max()) < 4.0
+
+
+def test_time_encoder_is_finite_for_any_gap():
+    """Time gaps in float64 beyond float32's range (inf once converted) and any finite gap
+    between: finite encodings on both cosine paths, and finite gradients of the trained
+    frequencies; gaps below `MAX_DT` encode as before."""
+    dt = torch.tensor([0.0, 1e10, 1e12, 1e15, 1e20, 1e300, sys.float_info.max, -1e300],
+                      dtype=torch.float64)  # fmt: skip
+    fixed = TimeEncoder(16).requires_grad_(False)
+    for out in (fixed(dt), fixed(dt, bf16_consumer=True)):
+        assert bool(out.isfinite().all())
+    trained = TimeEncoder(16)
+    trained(dt).sum().backward()
+    assert bool(trained.weight.grad.isfinite().all())
+    normal = torch.rand(64, dtype=torch.float64) * 1e12
+    assert MAX_DT >= 1e15
+    want = torch.cos(torch.addcmul(fixed.bias, normal.float().unsqueeze(-1), fixed.weight))
+    assert torch.equal(fixed(normal), want)
 
 
 def test_time_encoder_takes_the_fast_cosine_only_without_autograd():

@@ -290,7 +290,9 @@ def test_a_ray_run_served_over_http_answers_as_its_learner(serve_http, tmp_path)
     answers equal the in-process state's."""
     from ray import serve
 
-    make_run(tmp_path, "ray-run", run_config("tgn", backend="ray"))
+    config = run_config("tgn", backend="ray")
+    config.model.slot_precision = "auto"  # the default (the bf16 cosine on the CPU)
+    make_run(tmp_path, "ray-run", config)
     source = RunSource(str(tmp_path), "ray-run")
     early = ServedState(source, "increment-00001")
     _assert_recorded(tmp_path / "ray-run", 1, early.catch_up(1, evaluate=True))
@@ -329,6 +331,23 @@ def test_a_ray_run_served_over_http_answers_as_its_learner(serve_http, tmp_path)
         assert status == 200 and sorted(answer["dst"]) == sorted(three), answer
         new = [p for d, p in zip(answer["dst"], answer["scores"], strict=True) if d >= 10**15]
         assert len(new) == 2 and new[0] == new[1]  # new nodes look alike
+
+        # a time in milliseconds (the stream's are seconds), a gap of 1e15 and the largest
+        # float: finite answers, as from the in-process state
+        ms = served.last_t * 1000.0
+        for later in (ms, served.last_t + 1e15, sys.float_info.max):
+            body = {"src": [src, 10**15], "dst": [int(ev.dst[0]), int(ev.dst[1])], "t": later}
+            status, answer = http(f"{serve_http}/score", body)
+            assert status == 200, (later, answer)
+            src_ids, dst_ids = served.nodes(body["src"], "src"), served.nodes(body["dst"], "dst")
+            want = served.score(src_ids, dst_ids, served.times(later, 2))
+            torch.testing.assert_close(torch.tensor(answer["scores"]), want, rtol=0, atol=1e-6)
+            status, answer = http(f"{serve_http}/topk", {"src": src, "t": later, "k": 5})
+            assert status == 200 and len(answer["scores"]) == 5, (later, answer)
+            status, answer = http(f"{serve_http}/embed", {"nodes": [src], "t": later})
+            assert status == 200 and len(answer["embeddings"][0]) > 0, (later, answer)
+        status, answer = http(f"{serve_http}/score", b'{"src": [1], "dst": [1], "t": 1e999}')
+        assert status == 400 and "t: times must be finite" in answer["error"], answer
 
         # bad requests: 400 naming the field
         for body, message in [

@@ -47,6 +47,7 @@ _CPU_ROW_BUCKET = 512
 # Chebyshev nodes, float64; evaluated in float32 its error is at most 1.2e-6)
 _TWO_PI_HI = 6.2831854820251465  # 2 pi rounded to float32
 _TWO_PI_LO = 2.0 * math.pi - _TWO_PI_HI
+_MAX_REDUCED = 4.0  # |r| after the reduction is clamped to this (see bf16_cos_)
 _COS_POLY = (
     0.999999211,
     -0.499994212,
@@ -84,10 +85,16 @@ def bf16_cos_(x: torch.Tensor) -> torch.Tensor:
     faster than `torch.cos`, whose accurate (Sleef u10) path slows down for arguments beyond
     125 and again beyond 39,000, which time differences in seconds times the unit frequency
     reach. Error against `torch.cos(x)`: 2e-6 for |x| < 1e6 where the device rounds the
-    reduction's multiply-add once (CPUs with FMA do; elsewhere up to ~|x| * 6e-8). For
-    inputs that only a bfloat16 product consumes (per-slot time encodings on the CPU)."""
+    reduction's multiply-add once (CPUs with FMA do; elsewhere up to ~|x| * 6e-8); finite and
+    within [-1.01, 1] for any finite x (inf and NaN give NaN, as `torch.cos`). For inputs that
+    only a bfloat16 product consumes (per-slot time encodings on the CPU)."""
     n = torch.mul(x, 1.0 / (2.0 * math.pi)).round_()
     r = torch.add(x, n, alpha=-_TWO_PI_HI).add_(n, alpha=-_TWO_PI_LO)
+    # beyond |x| ~ 1e7 the float32 reduction leaves |r| > pi (7 at 1e8, 7e3 at 1e11) and the
+    # polynomial grows as r^10 (to inf, then NaN); x itself is then coarser than a radian, so
+    # any bounded value is as good: r is kept within +-4 (never reached below |x| = 1e7, so
+    # smaller arguments give the same bits), and the result stays within [-1, 1]-ish
+    r.clamp_(-_MAX_REDUCED, _MAX_REDUCED)
     r2 = r.mul_(r)
     acc = torch.mul(r2, _COS_POLY[-1], out=x)
     for c in reversed(_COS_POLY[1:-1]):

@@ -5,6 +5,15 @@ seconds and months are resolved; they stay trainable as in TGN, or stay fixed wi
 `trainable=False` (GraphMixer finds that as accurate, and it saves the backward through the
 cosines of every neighbour slot). Inputs are time differences in
 float32 (the caller subtracts float64 times first, so large absolute times lose no precision).
+
+Time differences are clamped to +-`MAX_DT` (1e15) first. No gap of a stream in seconds,
+milliseconds or microseconds reaches it (3e7, 3e4, 32 years), so normal inputs give the same
+bits; past it every feature has long wrapped around (the slowest initial period is 2 pi 1e9),
+so nothing is lost. The clamp
+keeps any gap finite: a float64 gap beyond float32's range arrives as inf (cos(inf) is NaN),
+and `w dt` and the frequencies' gradients (dt times the upstream gradient) stay finite for
+trained frequencies up to ~1e23. The alternative, the phase reduced modulo 2 pi in float64,
+would change normal results (and cost a float64 pass over every slot).
 """
 
 from __future__ import annotations
@@ -14,7 +23,9 @@ from torch import nn
 
 from tidegraph.ops import bf16_cos_
 
-__all__ = ["TimeEncoder"]
+__all__ = ["MAX_DT", "TimeEncoder"]
+
+MAX_DT = 1e15  # |time differences| are clamped to this (see the module)
 
 
 class TimeEncoder(nn.Module):
@@ -32,7 +43,8 @@ class TimeEncoder(nn.Module):
         """phi(dt); `bf16_consumer`: the result only feeds a bfloat16 product, so on the CPU
         and without autograd the cosine may be `bf16_cos_`'s (2e-6 from `torch.cos`, and
         faster for the large arguments of time differences)."""
-        x = torch.addcmul(self.bias, dt.to(self.weight.dtype).unsqueeze(-1), self.weight)
+        dt = dt.to(self.weight.dtype).clamp(-MAX_DT, MAX_DT)
+        x = torch.addcmul(self.bias, dt.unsqueeze(-1), self.weight)
         if bf16_consumer and x.device.type == "cpu" and not x.requires_grad:
             return bf16_cos_(x)
         return torch.cos(x)

@@ -30,7 +30,13 @@ from fastapi.responses import JSONResponse
 from ray import serve
 from starlette.concurrency import run_in_threadpool
 
-from tidegraph.serving.engine import QueryError, RunSource, ServedState, checked_run
+from tidegraph.serving.engine import (
+    ModelOutputError,
+    QueryError,
+    RunSource,
+    ServedState,
+    checked_run,
+)
 from tidegraph.serving.protocol import parse_embed, parse_score, parse_topk
 
 __all__ = ["TidegraphServer", "answer_embed", "answer_score", "answer_topk", "build", "server_app"]
@@ -155,6 +161,9 @@ class TidegraphServer:
             return await run_in_threadpool(_locked, handler, state, body)
         except QueryError as exc:
             return JSONResponse({"error": str(exc)}, status_code=400)
+        except ModelOutputError as exc:
+            log.error("%s (body %.200s)", exc, body)
+            return JSONResponse({"error": str(exc)}, status_code=500)
 
 
 def server_app(run_name: str, storage: str = "runs", poll_s: float = 1.0, device: str = "cpu",

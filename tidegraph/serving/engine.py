@@ -17,7 +17,10 @@ Queries never change state:
 - `embed(nodes, t)`: the nodes' embeddings at `t`.
 Ids are the stream's external ids (the run's id map); an id the map does not hold is a new
 node: no neighbours and fresh node state, as the learner would see it at its first event.
-Times before the last event applied are refused (their answers would read later events).
+Times before the last event applied are refused (their answers would read later events); any
+finite time at or after it is answered (the models are finite for any time gap: see
+`models.time_encoding`). An answer is checked finite before it leaves: a non-finite one raises
+`ModelOutputError` (a defect, never a value a response carries).
 """
 
 from __future__ import annotations
@@ -44,13 +47,26 @@ from tidegraph.training.group import LocalGroup
 from tidegraph.training.metrics import link_metrics
 from tidegraph.training.sampling import NegativeSampler
 
-__all__ = ["QueryError", "RunSource", "ServedState", "checked_run"]
+__all__ = ["ModelOutputError", "QueryError", "RunSource", "ServedState", "checked_run"]
 
 log = logging.getLogger(__name__)
 
 
 class QueryError(ValueError):
     """A request that cannot be answered as asked; the message names the field."""
+
+
+class ModelOutputError(RuntimeError):
+    """The model gave a non-finite answer (NaN or infinity) to a valid query: a defect of
+    the model, reported as such instead of an answer JSON cannot carry."""
+
+
+def _finite(x: torch.Tensor, what: str) -> torch.Tensor:
+    if not bool(torch.isfinite(x).all()):
+        bad = int((~torch.isfinite(x)).sum())
+        raise ModelOutputError(f"{what}: the model gave {bad} non-finite values (NaN or "
+                               f"infinity) for a valid query; please report it")  # fmt: skip
+    return x
 
 
 class RunSource:
@@ -268,7 +284,7 @@ class ServedState:
         ev = _queries(src, dst, t)
         with self.lock, self._new_node_placed():
             pos, _ = self.group.eval_step(ev, _none(len(ev)), observe=False)
-        return torch.sigmoid(pos)
+        return _finite(torch.sigmoid(pos), "scores")
 
     def topk(
         self, src: int, t: float, k: int, candidates: torch.Tensor | None = None
@@ -285,7 +301,7 @@ class ServedState:
             step = max(1, self.config.train.eval_max_roots - 2)
             logits = torch.cat([self.group.eval_step(ev, part.view(1, -1), observe=False)[1][0]
                                 for part in distinct.split(step)])  # fmt: skip
-        best = torch.topk(logits[inverse], k)
+        best = torch.topk(_finite(logits, "scores")[inverse], k)
         return best.indices, torch.sigmoid(best.values)
 
     def embed(self, nodes: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -293,7 +309,8 @@ class ServedState:
         step = self.config.train.eval_max_roots
         with self.lock, self._new_node_placed():
             parts = zip(nodes.split(step), t.split(step), strict=True)
-            return torch.cat([self.trainer.embed_roots(n, ts) for n, ts in parts])
+            z = torch.cat([self.trainer.embed_roots(n, ts) for n, ts in parts])
+        return _finite(z, "embeddings")
 
     @contextmanager
     def _new_node_placed(self):
