@@ -1031,17 +1031,25 @@ def test_job_flags_give_the_same_run_on_both_backends(ray_session, files, tmp_pa
     assert released("flags-ray")
 
 
-def test_offline_mode_on_both_backends(ray_session, files, tmp_path):
+def test_offline_mode_on_both_backends(ray_session, files, tmp_path, capsys):
     """`--mode offline` (GraphSAGE) on a headerless signed network (`--columns ... --features
-    2 --no-header`): the same validation and test metrics; the Ray group is released after."""
+    2 --no-header`): the same validation and test metrics, and a last screen of them; the Ray
+    group is released after."""
     config = yaml_file(tmp_path / "run.yaml", OFFLINE_YAML)
     outs = {}
     for backend in BACKENDS:
         out = tmp_path / f"offline-{backend}"
         args = [*resolved(OFFLINE_ARGS, {**files, "config": config}), "--out", str(out)]
+        capsys.readouterr()
         assert job(args, backend) == 0
         outs[backend] = untimed(json.loads((out / "offline.json").read_text()))
         assert outs[backend]["events"] == 800 and len(outs[backend]["epochs"]) == 2
+        test = outs[backend]["test"]
+        screen = capsys.readouterr().out.splitlines()[-4:]
+        assert screen[0].startswith("offline: sage on ") and "800 events, 2 epochs" in screen[0]
+        assert screen[1] == (f"  test: AP {test['ap']:.4f}  AUC {test['auc']:.4f}  MRR "
+                             f"{test['mrr']:.4f}")  # fmt: skip
+        assert screen[3] == f"  every epoch's figures: {out / 'offline.json'}"
     assert outs["local"] == outs["ray"]
     assert released("offline-ray")  # its actors and placement groups too
 

@@ -162,7 +162,14 @@ def test_job_runs_on_ray(ray_session, tmp_path, capsys):
     finally:
         torch.set_num_threads(threads)
     out = capsys.readouterr().out
-    assert "AP" in out and '"trainers": 2' in out
+    # the last screen: the report's summary lines and where summary.json and the report are
+    screen = out[out.index(f"run {tmp_path.name} ({tmp_path})") :].splitlines()
+    assert len(screen) <= 25, screen
+    assert "trainers W = 2, shards P = 2 (at the end), ray backend; 2 increments" in screen[1]
+    assert screen[-2:] == [f"  summary: {tmp_path}/summary.json",
+                           f"  report: python -m tidegraph.jobs.report {tmp_path} "
+                           f"(writes {tmp_path}/report.html)"]  # fmt: skip
+    assert not any(line.lstrip().startswith(("{", '"')) for line in screen)  # no JSON dump
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3
 
 

@@ -75,6 +75,32 @@ def test_a_missing_run_ends_the_command_before_ray_starts(tmp_path):
         assert "Ray" not in done.stderr
 
 
+# the command as a machine without the `serve` extra runs it: its web framework not importable
+WITHOUT = """
+import runpy, sys
+for name in sys.argv[1].split(","):
+    sys.modules[name] = None  # an import of it fails as a module not installed does
+sys.argv = ["tidegraph.jobs.serve", *sys.argv[2:]]
+runpy.run_module("tidegraph.jobs.serve", run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("missing", ["starlette", "fastapi", "starlette,fastapi"])
+def test_serving_without_the_serve_extra_says_how_to_install_it(tmp_path, missing):
+    """One line naming the missing module and the extra, exit code 2, no traceback, no Ray."""
+    make_run(tmp_path, "r", run_config("tgn"))
+    done = subprocess.run([sys.executable, "-c", WITHOUT, missing, "--storage", str(tmp_path),
+                           "--run-name", "r"], capture_output=True, text=True, timeout=120,
+                          env=_env())  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    first = missing.split(",")[0]
+    assert done.stderr == (
+        f"error: serving needs Ray Serve and its web framework (no module "
+        f"named '{first}'): pip install 'tidegraph[serve]'\n"
+    ), done.stderr
+    assert "serving run" not in done.stdout
+
+
 def test_the_job_serves_a_run_on_loopback_until_interrupted(tmp_path):
     make_run(tmp_path, "r", run_config("tgn"))
     port = free_port()

@@ -202,7 +202,18 @@ def test_job_entry_point_runs_and_writes_json_lines(tmp_path, capsys):
     finally:
         torch.set_num_threads(threads)  # the job sets its own thread count
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
-    assert len(lines) == 3 and "AP" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert len(lines) == 3
+    screen = out[out.index(f"run {tmp_path.name} ({tmp_path})") :].splitlines()
+    assert len(screen) <= 25, screen
+    last = json.loads(lines[-1])
+    final = (f"  final (increment 2): AP {last['ap']:.4f}  AUC {last['auc']:.4f}  MRR "
+             f"{last['mrr']:.4f}  old AP ")  # fmt: skip
+    assert any(line.startswith(final) for line in screen), screen
+    assert "local backend; 2 increments" in screen[1]
+    assert screen[-2:] == [f"  summary: {tmp_path}/summary.json",
+                           f"  report: python -m tidegraph.jobs.report {tmp_path} "
+                           f"(writes {tmp_path}/report.html)"]  # fmt: skip
     assert main(["--model", "nope"]) == 2
 
 

@@ -129,11 +129,27 @@ def _connect(options: dict) -> bool:
     return True
 
 
+def _check_serve_extra() -> None:
+    """Ray Serve and the web framework under it (the `serve` extra) are importable; a
+    ValueError that says how to install them when not."""
+    from tidegraph.orchestrator import cluster  # noqa: F401  (loopback switches before ray)
+
+    try:
+        from ray import serve  # noqa: F401
+
+        import tidegraph.serving.app  # noqa: F401  (fastapi, starlette)
+    except ModuleNotFoundError as e:
+        missing = (e.name or "?").split(".")[0]  # the package a user installs
+        raise ValueError(f"serving needs Ray Serve and its web framework (no module named "
+                         f"{missing!r}): pip install 'tidegraph[serve]'") from None  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     args = _parser().parse_args(argv)
     try:
         options = _options(args)
+        _check_serve_extra()
         checked_run(options["storage"], options["run_name"])  # a missing run: here, at once
     except ValueError as err:
         return _error(err, args.debug)

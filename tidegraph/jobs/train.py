@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
             except ValueError as err:
                 _report(err)
                 return 2
-            print(json.dumps({"test": result["test"], "epoch_s": result["epoch_s"]}, indent=2))
+            print("\n".join(_offline_lines(result, config.out_dir)))
             return 0
         return _run(config, run_dir, resume, args.metrics_port, args, stream)
     finally:
@@ -340,8 +340,48 @@ def _run(
             _report(err)  # bad data, or a cluster too small
             return 2
         raise err
-    print(json.dumps(orchestrator.result, indent=2))
+    summary = str(Path(config.out_dir) / "summary.json")
+    print("\n".join(final_lines(orchestrator.result, run_dir, summary)), flush=True)
     return 0
+
+
+def final_lines(result: dict, run_dir, summary: str) -> list[str]:
+    """The job's last screen: the report's summary lines (at most 25) and where `summary`
+    (summary.json) and the HTML report are; for remote storage, the mean figures."""
+    from tidegraph.report import ReportError, load_run, summary_lines
+
+    if run_dir.local:
+        try:
+            lines = summary_lines(load_run(run_dir.path), None)
+        except ReportError as err:  # the run's files are its record; the screen is a courtesy
+            lines = [f"run {run_dir.run_name}: no summary lines ({err})"]
+        else:
+            lines = [line for line in lines if not line.startswith("  report: ")]
+        return lines + [f"  summary: {summary}",
+                        f"  report: python -m tidegraph.jobs.report {run_dir.path} "
+                        f"(writes {run_dir.path}/report.html)"]  # fmt: skip
+    lines = [f"run {run_dir.run_name} ({run_dir.uri}): {result.get('model', '?')} on "
+             f"{result.get('dataset', '?')}; trainers W = {result.get('trainers', '?')}, "
+             f"shards P = {result.get('shards', '?')}"]  # fmt: skip
+    if "ap" in result:
+        lines.append(f"  mean over increments: AP {result['ap']:.4f}  AUC {result['auc']:.4f}"
+                     f"  MRR {result['mrr']:.4f}  old AP {result['old_ap']:.4f}")  # fmt: skip
+    return lines + [f"  summary: {summary}",
+                    "  report: copy the run directory to a local disk, then "
+                    "python -m tidegraph.jobs.report DIR"]  # fmt: skip
+
+
+def _offline_lines(result: dict, out_dir: str | None) -> list[str]:
+    """An offline run's last screen: its test figures, time per epoch, where offline.json is."""
+    test, val = result["test"], result["val"]
+    lines = [f"offline: {result['model']} on {result['dataset']}, {result['events']:,} events, "
+             f"{len(result['epochs'])} epochs of {result['epoch_s']:.2f} s (mean)",
+             f"  test: AP {test['ap']:.4f}  AUC {test['auc']:.4f}  MRR {test['mrr']:.4f}",
+             f"  val (last epoch): AP {val['ap']:.4f}  AUC {val['auc']:.4f}  MRR "
+             f"{val['mrr']:.4f}"]  # fmt: skip
+    if out_dir:
+        lines.append(f"  every epoch's figures: {Path(out_dir) / 'offline.json'}")
+    return lines
 
 
 _COLS = ("inc", "events", "AP", "AUC", "MRR", "oldAP", "eval/s", "train/s")
