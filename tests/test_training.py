@@ -399,3 +399,23 @@ def test_yaml_and_flags_map_onto_run_config(tmp_path):
     path.write_text("cluster:\n  backend: local\n  trainers: 3\n")
     c = parse_config(["--config", str(path), "--shards", "4"]).cluster
     assert (c.backend, c.shards, c.trainers) == ("local", 4, 3)
+
+
+def test_the_last_screen_of_a_run_on_remote_storage_names_its_figures_and_summary():
+    """A run directory on s3:// or gs:// cannot be read by the report: the screen gives the
+    mean figures and where summary.json went, and how to make the report."""
+    from types import SimpleNamespace
+
+    from tidegraph.jobs.train import final_lines
+
+    where = SimpleNamespace(local=False, uri="s3://bucket/runs?region=x", run_name="r", path="b/r")
+    result = {"model": "tgn", "dataset": "wiki", "trainers": 2, "shards": 3, "ap": 0.91,
+              "auc": 0.92, "mrr": 0.7, "old_ap": 0.9}  # fmt: skip
+    lines = final_lines(result, where, "runs/r/summary.json")
+    assert lines == [
+        "run r (s3://bucket/runs?region=x): tgn on wiki; trainers W = 2, shards P = 3",
+        "  mean over increments: AP 0.9100  AUC 0.9200  MRR 0.7000  old AP 0.9000",
+        "  summary: runs/r/summary.json",
+        "  report: copy the run directory to a local disk, then python -m "
+        "tidegraph.jobs.report DIR",
+    ]
