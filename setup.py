@@ -20,13 +20,17 @@ setup(
         "pyyaml>=6",
     ],
     extras_require={
-        # the report's tests render its figures (`report`); serving's run Ray Serve (`serve`)
+        # the report's tests render its figures (`report`); serving's run Ray Serve (`serve`);
+        # the TGB protocol's are checked against py-tgb's own code (its negative generator
+        # imports torch_geometric), a reference in tests, not a dependency of the package
         "test": [
             "pytest>=8",
             "hypothesis>=6.100",
             "ruff>=0.5",
             "matplotlib>=3.7",
             "ray[serve]>=2.40",
+            "py-tgb>=2.0",
+            "torch_geometric>=2.3",
         ],
         "report": ["matplotlib>=3.7"],
         "serve": ["ray[serve]>=2.40"],

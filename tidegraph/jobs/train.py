@@ -70,6 +70,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--replay", help="uniform or importance")
     p.add_argument("--mode", help="continual (default) or offline (70/15/15)")
     p.add_argument("--epochs", type=int, help="phase-1 (or offline) epochs")
+    p.add_argument("--eval-protocol", help="offline evaluation: sampled (default) or tgb (the "
+                   "Temporal Graph Benchmark's split, hist_rnd negatives and MRR)")  # fmt: skip
+    p.add_argument("--eval-negatives", type=int,
+                   help="tgb: negatives a positive (default 999, TGB's tgbl-wiki)")  # fmt: skip
+    p.add_argument("--eval-prefix", type=int,
+                   help="tgb: score the first N positives of each split (0: all)")  # fmt: skip
     p.add_argument("--out", help="the run directory itself (instead of STORAGE/RUN_NAME)")
     p.add_argument("--storage", help="where run directories live: a path or s3://, gs:// URI")
     p.add_argument("--resume", action="store_true", help="continue the run named --run-name")
@@ -146,7 +152,8 @@ def _config(args: argparse.Namespace) -> RunConfig:
     if not -1 <= args.metrics_port <= 65535:
         raise ValueError(f"--metrics-port must be -1, 0 or a port number, got {args.metrics_port}")
     sections = {
-        k: dict(raw.get(k) or {}) for k in ("model", "data", "train", "continual", "cluster")
+        k: dict(raw.get(k) or {})
+        for k in ("model", "data", "train", "continual", "cluster", "eval")
     }
     for flag, (section, key) in {
         "model": ("model", "name"),
@@ -166,6 +173,9 @@ def _config(args: argparse.Namespace) -> RunConfig:
         "shards": ("cluster", "shards"),
         "memory": ("cluster", "memory"),
         "partitioner": ("cluster", "partitioner"),
+        "eval_protocol": ("eval", "protocol"),
+        "eval_negatives": ("eval", "negatives"),
+        "eval_prefix": ("eval", "prefix"),
     }.items():
         if getattr(args, flag) is not None:
             sections[section][key] = getattr(args, flag)
@@ -376,12 +386,24 @@ def _offline_lines(result: dict, out_dir: str | None) -> list[str]:
     test, val = result["test"], result["val"]
     lines = [f"offline: {result['model']} on {result['dataset']}, {result['events']:,} events, "
              f"{len(result['epochs'])} epochs of {result['epoch_s']:.2f} s (mean)",
-             f"  test: AP {test['ap']:.4f}  AUC {test['auc']:.4f}  MRR {test['mrr']:.4f}",
+             f"  test: AP {test['ap']:.4f}  AUC {test['auc']:.4f}  MRR {test['mrr']:.4f}"
+             + _tgb_part(result, test),
              f"  val (last epoch): AP {val['ap']:.4f}  AUC {val['auc']:.4f}  MRR "
-             f"{val['mrr']:.4f}"]  # fmt: skip
+             f"{val['mrr']:.4f}" + _tgb_part(result, val)]  # fmt: skip
     if out_dir:
         lines.append(f"  every epoch's figures: {Path(out_dir) / 'offline.json'}")
     return lines
+
+
+def _tgb_part(result: dict, split: dict) -> str:
+    """', Hits@10 ... (TGB protocol, N negatives, P positives)' for a TGB-protocol split."""
+    protocol = result.get("protocol")
+    if not protocol:
+        return ""
+    hits = next((k for k in split if k.startswith("hits@")), None)
+    figure = f"  {hits.capitalize()} {split[hits]:.4f}" if hits else ""
+    return (f"{figure}  (TGB protocol: {protocol['negatives']} negatives a positive, "
+            f"{split['positives']:,} positives)")  # fmt: skip
 
 
 _COLS = ("inc", "events", "AP", "AUC", "MRR", "oldAP", "eval/s", "train/s")

@@ -24,6 +24,7 @@ __all__ = [
     "ClusterConfig",
     "ContinualConfig",
     "DataConfig",
+    "EvalConfig",
     "RunConfig",
     "SamplerConfig",
     "TrainConfig",
@@ -136,6 +137,38 @@ class TrainConfig:
             raise ValueError(f"train.lr must be > 0, got {self.lr}")
         if self.eval_max_roots < 3:
             raise ValueError(f"train.eval_max_roots must be >= 3, got {self.eval_max_roots}")
+
+
+EVAL_PROTOCOLS = ("sampled", "tgb")
+
+
+@dataclass(kw_only=True)
+class EvalConfig:
+    """How link prediction is evaluated. "sampled": `train.eval_negatives` uniform negatives a
+    positive. "tgb": the Temporal Graph Benchmark's protocol (`tidegraph.training.tgb`): its
+    time split (0.70 / 0.85 quantiles), `negatives` of its hist_rnd rule a positive, MRR by its
+    rank rule and Hits@`hits_k` (offline mode)."""
+
+    protocol: str = "sampled"
+    negatives: int = 999  # tgb: a positive's negatives (TGB's tgbl-wiki: 999, every other item)
+    hist_ratio: float = 0.5  # tgb: at most this share of them from the source's history
+    hits_k: int = 10
+    # tgb: the first `prefix` positives of validation and of test are scored (0: all); the
+    # rest of validation is still recorded in node state, so test starts where it would
+    prefix: int = 0
+
+    def __post_init__(self) -> None:
+        check_fields(self, "eval")
+        if self.protocol not in EVAL_PROTOCOLS:
+            raise ValueError(f"eval.protocol must be one of {EVAL_PROTOCOLS}, got "
+                             f"{self.protocol!r}")  # fmt: skip
+        for name in ("negatives", "hits_k"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"eval.{name} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 <= self.hist_ratio <= 1.0:
+            raise ValueError(f"eval.hist_ratio must be in [0, 1], got {self.hist_ratio}")
+        if self.prefix < 0:
+            raise ValueError(f"eval.prefix must be >= 0 (0: every positive), got {self.prefix}")
 
 
 @dataclass(kw_only=True)
@@ -387,6 +420,7 @@ _SECTIONS = {
     "continual": ContinualConfig,
     "cluster": ClusterConfig,
     "comm": CommConfig,
+    "eval": EvalConfig,
 }
 
 
@@ -399,6 +433,7 @@ class RunConfig:
     continual: ContinualConfig = field(default_factory=ContinualConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     comm: CommConfig = field(default_factory=CommConfig)  # gradient and row compression
+    eval: EvalConfig = field(default_factory=EvalConfig)  # link-prediction evaluation protocol
     mode: str = "continual"  # or "offline" (70/15/15 by time)
     offline_split: tuple[float, float] = (0.70, 0.15)  # train, validation; the rest is test
     seed: int = 0
@@ -425,6 +460,9 @@ class RunConfig:
         a, b = self.offline_split
         if not (0 < a and 0 <= b and a + b < 1):
             raise ValueError(f"offline_split must be (train, val) with train + val < 1, got {a, b}")
+        if self.eval.protocol == "tgb" and self.mode != "offline":
+            raise ValueError("eval.protocol 'tgb' evaluates offline runs (--mode offline): "
+                             "continual increments use the sampled protocol")  # fmt: skip
         if self.checkpoint_every < 1:
             raise ValueError(f"checkpoint_every must be >= 1, got {self.checkpoint_every}")
         if self.keep_checkpoints < 1:

@@ -12,16 +12,19 @@ from __future__ import annotations
 import json
 import logging
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
 
+from tidegraph.rng import seed_for
 from tidegraph.training.config import RunConfig
 from tidegraph.training.continual import ContinualLearner, _value
 from tidegraph.training.data import Stream
 from tidegraph.training.metrics import link_metrics
 from tidegraph.training.progress import Progress, steps_shown
 from tidegraph.training.schedule import batch_bounds
+from tidegraph.training.tgb import HistRndNegatives, tgb_bounds, tgb_metrics
 
 __all__ = ["run_offline"]
 
@@ -41,8 +44,14 @@ def run_offline(config: RunConfig, stream: Stream | None = None, group=None) -> 
 
 def _run(config: RunConfig, learner: ContinualLearner) -> dict:
     n = len(learner.events)
-    train_end = int(n * config.offline_split[0])
-    val_end = train_end + int(n * config.offline_split[1])
+    tgb = config.eval.protocol == "tgb"
+    if tgb:
+        train_end, val_end = tgb_bounds(learner.events.t)
+        evaluate = _tgb_evaluation(config, learner, train_end, val_end)
+    else:
+        train_end = int(n * config.offline_split[0])
+        val_end = train_end + int(n * config.offline_split[1])
+        evaluate = partial(eval_pass, learner)
     learner.ingest(0, n)
     epochs = []
     for epoch in range(config.train.epochs):
@@ -50,19 +59,24 @@ def _run(config: RunConfig, learner: ContinualLearner) -> dict:
         t0 = time.perf_counter()
         _, loss = train_pass(learner, 0, train_end, f"offline epoch {epoch + 1}")
         train_s = time.perf_counter() - t0
-        val = eval_pass(learner, train_end, val_end, f"offline val {epoch + 1}", observe=True)
+        val = evaluate(train_end, val_end, f"offline val {epoch + 1}", observe=True)
         epochs.append({"epoch": epoch + 1, "loss": loss, "train_s": train_s, **val})
         log.info("offline epoch %d: %.1f s, loss %.4f, val %s", epoch + 1, train_s, loss, val)
-    test = eval_pass(learner, val_end, n, "offline test", observe=True)
+    test = evaluate(val_end, n, "offline test", observe=True)
     out = {
         "model": config.model.name,
         "dataset": learner.stream.name,
         "events": n,
         "epochs": epochs,
         "epoch_s": sum(e["train_s"] for e in epochs) / len(epochs),
-        "val": {k: epochs[-1][k] for k in ("ap", "auc", "mrr")},
+        "val": {k: v for k, v in epochs[-1].items() if k not in ("epoch", "loss", "train_s")},
         "test": test,
+        "split": {"train": train_end, "val": val_end - train_end, "test": n - val_end},
     }
+    if tgb:
+        e = config.eval
+        out["protocol"] = {"name": "tgb", "negatives": e.negatives, "hist_ratio": e.hist_ratio,
+                           "prefix": e.prefix}  # fmt: skip
     if config.out_dir:
         path = Path(config.out_dir) / "offline.json"
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -102,3 +116,42 @@ def eval_pass(learner: ContinualLearner, start: int, end: int, desc: str, observ
         bar.update(len(ev))
     bar.close()
     return link_metrics(torch.cat(pos), torch.cat(neg))
+
+
+def _tgb_evaluation(config: RunConfig, learner: ContinualLearner, train_end: int, val_end: int):
+    """`evaluate(start, end, desc, observe)` for TGB's protocol: each split's hist_rnd
+    negatives drawn once (history: the train split), scored one positive against its
+    negatives; `eval.prefix` positives of a split scored, the rest of validation recorded."""
+    e, ev = config.eval, learner.events
+    sampler = HistRndNegatives(ev.src[:train_end], ev.dst[:train_end], int(ev.dst.min()),
+                               int(ev.dst.max()), e.negatives, e.hist_ratio,
+                               seed_for(config.seed, "tgb negatives"))  # fmt: skip
+    drawn = {}
+    for lo, hi in ((train_end, val_end), (val_end, len(ev))):
+        drawn[lo] = sampler.sample(ev.src[lo:hi], ev.dst[lo:hi], ev.t[lo:hi])
+
+    def evaluate(start: int, end: int, desc: str, observe: bool) -> dict:
+        neg_all, valid_all = drawn[start]
+        scored = end if e.prefix == 0 else min(end, start + e.prefix)
+        bar = Progress(scored - start, desc, learner.config.progress)
+        t0 = time.perf_counter()
+        pos, neg = [], []
+        for lo, hi in batch_bounds(start, scored, config.train.batch_size):
+            p, q = learner.group.eval_step(learner._events(lo, hi),
+                                           neg_all[lo - start : hi - start], observe)  # fmt: skip
+            pos.append(p)
+            neg.append(q)
+            bar.update(hi - lo)
+        bar.close()
+        seconds = time.perf_counter() - t0
+        if observe and scored < end and end < len(ev):  # the rest of validation, recorded
+            rest = learner.negatives  # one uniform negative each: scores unused
+            for lo, hi in batch_bounds(scored, end, config.train.batch_size):
+                learner.group.eval_step(learner._events(lo, hi), rest.sample(hi - lo, 1), True)
+        pos, neg = torch.cat(pos), torch.cat(neg)
+        valid = valid_all[: scored - start]
+        out = link_metrics(pos, neg[:, :1])  # AP and AUC against each first negative
+        out.update(tgb_metrics(pos, neg, valid, e.hits_k), positives=scored - start, eval_s=seconds)
+        return out
+
+    return evaluate

@@ -1,0 +1,237 @@
+"""The Temporal Graph Benchmark's link-prediction protocol (TGB, Huang et al. 2023), so that
+tidegraph's MRR reads like the leaderboard's:
+
+- **split** (`tgb_bounds`): by time, at the 0.70 and 0.85 quantiles of the timestamps (numpy's
+  linear rule, as TGB computes them): train t <= q70, validation q70 < t <= q85, test t > q85.
+- **negatives** (`HistRndNegatives`, TGB's `hist_rnd`): for each positive (s, d, t) of an
+  evaluated split, `k` negative destinations: up to `int(k * hist_ratio)` drawn without
+  replacement from the destinations s met in the history (train), the rest drawn without
+  replacement from the destination id range [first, last] less those and less every
+  destination of a positive with the same source and time; never a positive of the same
+  source and time. Where a part has fewer candidates than it wants it takes them all, so a row
+  can hold fewer than `k` (TGB's lists are as long). TGB draws with numpy's global generator,
+  one positive at a time; here the draws are vectorized over positives with a seeded torch
+  generator: the same rule and the same counts (how many historical, how many random) for
+  every positive, and the same negatives wherever the rule leaves no choice (on tgbl-wiki, 999
+  of its 1,000 destinations, nearly every row), but other draws than TGB's files elsewhere.
+- **metrics** (`tgb_metrics`): one positive against its negatives, the rank the mean of the
+  optimistic and the pessimistic rank (1 + #negatives above + half #tied), MRR the mean of
+  1 / rank over positives, Hits@k the share ranked within k.
+
+Rows of fewer than `k` negatives are padded with the positive's own destination and marked
+invalid: scored like the rest (a batch keeps one shape), left out of the rank.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+__all__ = ["TGB_QUANTILES", "HistRndNegatives", "edgebank_tgb", "tgb_bounds", "tgb_metrics"]
+
+TGB_QUANTILES = (0.70, 0.85)  # TGB's val_ratio = test_ratio = 0.15
+# a chunk of positives draws at most this many keys at once (rows x destination range)
+_CHUNK_ELEMENTS = 1 << 22
+
+
+def tgb_bounds(t: torch.Tensor) -> tuple[int, int]:
+    """(train_end, val_end): positions in the time-sorted `t` where validation and test start,
+    at TGB's time quantiles."""
+    if t.numel() == 0:
+        raise ValueError("tgb split: no events")
+    ts = t.detach().cpu().double().numpy()
+    if np.any(ts[1:] < ts[:-1]):
+        raise ValueError("tgb split: the events must be in time order")
+    val_time, test_time = np.quantile(ts, TGB_QUANTILES)
+    return int(np.searchsorted(ts, val_time, "right")), int(np.searchsorted(ts, test_time, "right"))
+
+
+def tgb_metrics(
+    pos: torch.Tensor, neg_PK: torch.Tensor, valid_PK: torch.Tensor | None = None, k: int = 10
+) -> dict[str, float]:
+    """MRR and Hits@k of positives `pos` [P] against their negatives' scores `neg_PK` [P, K]
+    (`valid_PK`: which of them count; None: all)."""
+    pos = pos.detach().double().cpu().unsqueeze(1)
+    neg = neg_PK.detach().double().cpu()
+    valid = torch.ones_like(neg, dtype=torch.bool) if valid_PK is None else valid_PK.cpu()
+    rank = 1 + ((neg > pos) & valid).sum(1) + 0.5 * ((neg == pos) & valid).sum(1)
+    if rank.numel() == 0:
+        return {"mrr": float("nan"), f"hits@{k}": float("nan")}
+    return {"mrr": float((1.0 / rank).mean()), f"hits@{k}": float((rank <= k).double().mean())}
+
+
+def _pair_keys(a: torch.Tensor, b: torch.Tensor, width: int) -> torch.Tensor:
+    return a.to(torch.int64) * width + b.to(torch.int64)
+
+
+class HistRndNegatives:
+    """TGB's `hist_rnd` negatives for the positives of a split (see the module docstring).
+
+    `hist_src`, `hist_dst`: the history's events (TGB: the train split's); `first_dst`,
+    `last_dst`: the destination id range (TGB: the smallest and largest destination of the
+    whole dataset); `k`: negatives a positive; `seed`: the draws' seed."""
+
+    def __init__(
+        self,
+        hist_src: torch.Tensor,
+        hist_dst: torch.Tensor,
+        first_dst: int,
+        last_dst: int,
+        k: int,
+        hist_ratio: float = 0.5,
+        seed: int = 0,
+    ) -> None:
+        if last_dst < first_dst:
+            raise ValueError(f"tgb negatives: empty destination range [{first_dst}, {last_dst}]")
+        if k < 1 or not 0.0 <= hist_ratio <= 1.0:
+            raise ValueError(f"tgb negatives: k >= 1 and 0 <= hist_ratio <= 1, got {k}, "
+                             f"{hist_ratio}")  # fmt: skip
+        self.first, self.range = int(first_dst), int(last_dst) - int(first_dst) + 1
+        self.k, self.hist_max = int(k), int(k * hist_ratio)
+        self.seed = seed
+        # distinct (source, destination) pairs of the history, sorted by source: each source's
+        # destinations are one run of `seen_dst`, found by searchsorted on `seen_src`
+        src, dst = hist_src.cpu().to(torch.int64), hist_dst.cpu().to(torch.int64)
+        outside = (dst < first_dst) | (dst > last_dst)
+        if bool(outside.any()):
+            raise ValueError(f"tgb negatives: a history destination lies outside "
+                             f"[{first_dst}, {last_dst}]")  # fmt: skip
+        width = self.range
+        pairs = torch.unique(_pair_keys(src, dst - self.first, width))
+        self.seen_src, self.seen_dst = pairs // width, pairs % width  # dst relative to first
+
+    def sample(
+        self, src: torch.Tensor, dst: torch.Tensor, t: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(negatives [P, k], valid [P, k]) for the positives (src, dst, t) of a split (the
+        split whole: a positive's excluded destinations are its split's positives of the same
+        source and time). Draws chunk by chunk of positives, in order, from one generator."""
+        src, dst = src.cpu().to(torch.int64), dst.cpu().to(torch.int64)
+        t = t.cpu().double()
+        if bool(((dst < self.first) | (dst >= self.first + self.range)).any()):
+            raise ValueError(f"tgb negatives: a positive's destination lies outside "
+                             f"[{self.first}, {self.first + self.range - 1}]")  # fmt: skip
+        n = src.numel()
+        # the positives of the same (source, time): a group id each, its members' destinations
+        _, group = torch.unique(torch.stack([src.double(), t]), dim=1, return_inverse=True)
+        order = torch.argsort(group, stable=True)
+        n_groups = int(group.max()) + 1 if n else 0
+        g_count = torch.bincount(group, minlength=n_groups)
+        g_start = torch.cumsum(g_count, 0) - g_count
+        g_dst = dst[order] - self.first
+        generator = torch.Generator().manual_seed(self.seed)
+        neg = torch.empty(n, self.k, dtype=torch.int64)
+        valid = torch.zeros(n, self.k, dtype=torch.bool)
+        rows = max(1, _CHUNK_ELEMENTS // self.range)
+        for lo in range(0, n, rows):
+            hi = min(n, lo + rows)
+            neg[lo:hi], valid[lo:hi] = self._chunk(
+                src[lo:hi], dst[lo:hi], group[lo:hi], g_start, g_count, g_dst, generator
+            )
+        return neg, valid
+
+    def _chunk(self, src, dst, group, g_start, g_count, g_dst, generator):
+        m, R, k = src.numel(), self.range, self.k
+        row = torch.arange(m)
+        # excluded: the destinations of the row's (source, time) group, as a [m, R] mask
+        sizes = g_count[group]
+        pos_row = torch.repeat_interleave(row, sizes)
+        first_member = torch.repeat_interleave(g_start[group], sizes)
+        within = torch.arange(pos_row.numel()) - torch.repeat_interleave(
+            torch.cumsum(sizes, 0) - sizes, sizes
+        )
+        excluded = torch.zeros(m, R, dtype=torch.bool)
+        excluded[pos_row, g_dst[first_member + within]] = True
+        # the row's source's history: its distinct destinations
+        lo = torch.searchsorted(self.seen_src, src)
+        hi = torch.searchsorted(self.seen_src, src, right=True)
+        n_seen = hi - lo
+        seen_row = torch.repeat_interleave(row, n_seen)
+        seen_at = torch.arange(seen_row.numel()) - torch.repeat_interleave(
+            torch.cumsum(n_seen, 0) - n_seen, n_seen
+        )
+        seen_d = self.seen_dst[torch.repeat_interleave(lo, n_seen) + seen_at]
+        seen = torch.zeros(m, R, dtype=torch.bool)
+        seen[seen_row, seen_d] = True
+        # historical part: min(hist_max, |seen - excluded|) of seen - excluded, uniformly
+        open_hist = ~excluded[seen_row, seen_d]
+        n_hist = torch.minimum(
+            torch.bincount(seen_row[open_hist], minlength=m), torch.tensor(self.hist_max)
+        )
+        key = torch.rand(seen_row.numel(), generator=generator, dtype=torch.float64)
+        key = seen_row.double() * 4 + torch.where(open_hist, key, torch.full_like(key, 2.0))
+        by_key = torch.argsort(key, stable=True)  # rows stay in order, each row's by its key
+        rank = torch.arange(by_key.numel()) - torch.repeat_interleave(
+            torch.cumsum(n_seen, 0) - n_seen, n_seen
+        )
+        taken = by_key[rank < n_hist[seen_row[by_key]]]
+        # random part: the rest of k from the range less excluded and seen, uniformly
+        blocked = excluded | seen
+        n_rand = torch.minimum(k - n_hist, R - blocked.sum(1))
+        keys = torch.rand(m, R, generator=generator, dtype=torch.float64)
+        keys = torch.where(blocked, torch.full_like(keys, 2.0), keys)
+        width = int(n_rand.max()) if m else 0
+        rand_d = torch.topk(keys, width, dim=1, largest=False, sorted=True).indices
+        # a row: its historical negatives, then its random ones, then padding
+        neg = dst.unsqueeze(1).repeat(1, k)  # padding: the positive's own destination
+        valid = torch.zeros(m, k, dtype=torch.bool)
+        h_row = seen_row[taken]
+        h_col = torch.arange(taken.numel()) - torch.repeat_interleave(
+            torch.cumsum(n_hist, 0) - n_hist, n_hist
+        )
+        neg[h_row, h_col] = seen_d[taken] + self.first
+        valid[h_row, h_col] = True
+        col = torch.arange(width).unsqueeze(0)
+        use = col < n_rand.unsqueeze(1)
+        r_row = row.unsqueeze(1).expand(m, width)[use]
+        r_col = (n_hist.unsqueeze(1) + col).expand(m, width)[use]
+        neg[r_row, r_col] = rand_d[use] + self.first
+        valid[r_row, r_col] = True
+        return neg, valid
+
+
+def edgebank_tgb(
+    events,
+    num_nodes: int,
+    mode: str,
+    k: int = 999,
+    hist_ratio: float = 0.5,
+    seed: int = 0,
+    prefix: int = 0,
+    batch_size: int = 200,
+    hits_k: int = 10,
+    window_ratio: float = 0.15,
+) -> dict:
+    """EdgeBank (`tidegraph.models.edgebank`, `mode` unlimited or window) on TGB's protocol,
+    as TGB's EdgeBank example runs it: memory from the train split, validation then test
+    scored batch by batch (`batch_size` positives), each batch recorded after it is scored;
+    `prefix` positives of each split scored (0: all). {"val": metrics, "test": metrics};
+    `seed`: the negatives' (an offline run with `eval.protocol: tgb` uses
+    `seed_for(run seed, "tgb negatives")`)."""
+    from tidegraph.models.edgebank import EdgeBank
+
+    train_end, val_end = tgb_bounds(events.t)
+    src, dst, t = events.src, events.dst, events.t
+    bank = EdgeBank(num_nodes, src[:train_end], dst[:train_end], t[:train_end], mode,
+                    window_ratio)  # fmt: skip
+    sampler = HistRndNegatives(src[:train_end], dst[:train_end], int(dst.min()), int(dst.max()),
+                               k, hist_ratio, seed)  # fmt: skip
+    out = {}
+    for split, (start, end) in (("val", (train_end, val_end)), ("test", (val_end, len(t)))):
+        neg, valid = sampler.sample(src[start:end], dst[start:end], t[start:end])
+        scored = end if prefix == 0 else min(end, start + prefix)
+        pos_s, neg_s = [], []
+        for lo in range(start, end, batch_size):
+            hi = min(end, lo + batch_size)
+            if lo < scored:
+                top = min(hi, scored)
+                s = src[lo:top].unsqueeze(1)
+                pos_s.append(bank.score(s, dst[lo:top].unsqueeze(1)).squeeze(1))
+                neg_s.append(bank.score(s, neg[lo - start : top - start]))
+            elif split == "test":
+                break
+            bank.update(src[lo:hi], dst[lo:hi], t[lo:hi])
+        out[split] = tgb_metrics(torch.cat(pos_s), torch.cat(neg_s), valid[: scored - start],
+                                 hits_k)  # fmt: skip
+        out[split]["positives"] = scored - start
+    return out
