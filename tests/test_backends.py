@@ -543,7 +543,7 @@ CASES = [
     # model
     *[
         Case(f"model.name={m}", {"model": {"name": m}})
-        for m in ("tgat", "dysat", "sage", "jodie", "apan")
+        for m in ("tgat", "dysat", "sage", "jodie", "apan", "graphmixer")
     ],
     Case("model.dim", {"model": {"dim": 32}}),
     Case("model.time_dim", {"model": {"time_dim": 4}}),
@@ -954,6 +954,13 @@ OFFLINE_ARGS = [
     "--columns", "src=0,dst=1,time=3", "--features", "2", "--no-header", "--model", "sage",
     "--epochs", "2", "--max-events", "800", *CLUSTER,
 ]  # fmt: skip
+# TGB's protocol (its split, hist_rnd negatives, MRR and Hits@k) on GraphMixer, offline
+TGB_YAML = merged(SMALL_MODEL, {"eval": {"hist_ratio": 0.4, "hits_k": 5, "every_epoch": True}})
+TGB_ARGS = [
+    "--mode", "offline", "--config", "@config", "--model", "graphmixer", "--eval-protocol",
+    "tgb", "--eval-negatives", "30", "--eval-prefix", "120", "--epochs", "2", "--max-events",
+    "1500", *CLUSTER,
+]  # fmt: skip
 FOLLOW_DIR_ARGS = ["--follow", "@inbox", "--follow-timeout", "0.3", "--config", "@config",
                    "--model", "jodie", "--epochs", "1", *CLUSTER]  # fmt: skip
 FOLLOW_FILE_ARGS = ["--follow", "@events.csv", "--follow-lines", "200", "--follow-timeout",
@@ -1052,6 +1059,32 @@ def test_offline_mode_on_both_backends(ray_session, files, tmp_path, capsys):
         assert screen[3] == f"  every epoch's figures: {out / 'offline.json'}"
     assert outs["local"] == outs["ray"]
     assert released("offline-ray")  # its actors and placement groups too
+
+
+def test_the_tgb_protocol_on_both_backends(ray_session, files, tmp_path, capsys):
+    """`--eval-protocol tgb` (GraphMixer): the same split, negatives, MRR and Hits@k on each
+    backend, validation scored after every epoch (`eval.every_epoch`), and a last screen of
+    them."""
+    config = yaml_file(tmp_path / "run.yaml", TGB_YAML)
+    outs = {}
+    for backend in BACKENDS:
+        out = tmp_path / f"tgb-{backend}"
+        capsys.readouterr()
+        assert job([*resolved(TGB_ARGS, {**files, "config": config}), "--out", str(out)],
+                   backend) == 0  # fmt: skip
+        outs[backend] = untimed(json.loads((out / "offline.json").read_text()))
+        test = outs[backend]["test"]
+        screen = capsys.readouterr().out.splitlines()[-4:]
+        assert screen[1].endswith(f"Hits@5 {test['hits@5']:.4f}  (TGB protocol: 30 negatives "
+                                  f"a positive, 120 positives)"), screen  # fmt: skip
+    result = outs["local"]
+    assert result == outs["ray"]
+    assert result["protocol"] == {"name": "tgb", "negatives": 30, "hist_ratio": 0.4,
+                                  "prefix": 120}  # fmt: skip
+    assert [e["positives"] for e in result["epochs"]] == [120, 120]  # scored every epoch
+    assert result["test"]["positives"] == 120 and 0 < result["test"]["mrr"] < 1
+    assert sum(result["split"].values()) == 1500
+    assert released("tgb-ray")
 
 
 def _write_csv(path: Path, events) -> None:
@@ -1213,8 +1246,11 @@ SLOW_JOBS = {
     "debug": ["--debug"],
     "timeline": ["--timeline"],
     "offline": ["--mode", "offline"],
+    "eval-protocol": ["--mode", "offline", "--eval-protocol", "tgb", "--eval-negatives", "20",
+                      "--eval-prefix", "80"],
 }  # fmt: skip
-SLOW_YAML = {"offline": OFFLINE_YAML}  # the YAML under a flag's run (default SMALL_MODEL)
+# the YAML under a flag's run (default SMALL_MODEL)
+SLOW_YAML = {"offline": OFFLINE_YAML, "eval-protocol": TGB_YAML}
 
 
 @pytest.mark.slow
@@ -1229,7 +1265,7 @@ def test_job_flag_gives_the_same_run_on_both_backends(flag, ray_session, files, 
             out = tmp_path / f"{flag}-{backend}"
             args = [*resolved([*SLOW_BASE, *SLOW_JOBS[flag]], paths), "--out", str(out)]
             assert job(args, backend) == 0
-            if flag == "offline":
+            if flag in ("offline", "eval-protocol"):
                 outs[backend] = untimed(json.loads((out / "offline.json").read_text()))
                 continue
             outs[backend] = job_outcome(out)
@@ -1284,6 +1320,7 @@ DERIVED = {"cluster.min_trainers", "cluster.max_trainers", "cluster.min_shards",
 DEFAULT_JOBS = [
     (JOB_ARGS, JOB_YAML),
     (OFFLINE_ARGS, OFFLINE_YAML),
+    (TGB_ARGS, TGB_YAML),
     (FOLLOW_DIR_ARGS, FOLLOW_DIR_YAML),
     (FOLLOW_FILE_ARGS, FOLLOW_FILE_YAML),
 ]
@@ -1337,5 +1374,5 @@ def test_every_option_runs_on_both_backends_in_each_suite(tmp_path):
     flags = {s for a in _parser()._actions for s in a.option_strings} - {"-h", "--help"}
     assert flags - flags_of(DEFAULT_JOBS) == set(), "flags not in the default suite"
     # --follow and its flags run in the default suite's runs alone (a live source per run)
-    slow_flags = flags_of([*SLOW_JOB_RUNS, DEFAULT_JOBS[2], DEFAULT_JOBS[3]])
+    slow_flags = flags_of([*SLOW_JOB_RUNS, DEFAULT_JOBS[3], DEFAULT_JOBS[4]])
     assert flags - slow_flags == set(), "flags not in the slow matrix"

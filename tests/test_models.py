@@ -49,7 +49,9 @@ def test_every_model_scores_and_backpropagates(name, device):
     sampler = TemporalSampler(
         graph, [5] * cfg.num_layers, num_snapshots=snaps, snapshot_window=50.0 if snaps > 1 else 0
     )
-    model = build_model(cfg, graph.num_nodes, num_snapshots=snaps).to(device)
+    model = build_model(cfg, graph.num_nodes, num_snapshots=snaps, fanouts=[5] * cfg.num_layers).to(
+        device
+    )
     pos, neg = _score(model, sampler, src[200:232], dst[200:232], t[200:232])
     assert pos.shape == (32,) and neg.shape == (32, 3)
     assert torch.isfinite(pos).all() and torch.isfinite(neg).all()

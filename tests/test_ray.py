@@ -59,6 +59,7 @@ def wiki():
         pytest.param("tgn", "replicated", False, "recent", marks=pytest.mark.slow),
         ("apan", "sharded", True, "recent"),
         ("tgat", "replicated", False, "uniform"),
+        ("graphmixer", "replicated", True, "recent"),
     ],
 )
 def test_ray_actors_give_bitwise_what_the_local_group_gives(

@@ -565,3 +565,19 @@ def test_a_task_per_step_run_applies_each_batch_of_updates_once(ray_session, wik
     got = run(apan([{"trainer": 1, "step": 5, "at": "forward"}]), wiki)
     assert [e["lost"] for e in got["recoveries"]] == [[1]]
     assert_same_run(got, want)
+
+
+def test_a_graphmixer_run_recovers_a_lost_trainer_bitwise(ray_session, wiki):
+    """GraphMixer (no node state: the replica's parameters and optimizer are all there is to
+    bring back) loses trainer 1 at its all-reduce and ends as the fault-free run."""
+
+    def mixer(faults=()) -> RunConfig:
+        cfg = config(faults)
+        cfg.model.name = "graphmixer"
+        cfg.model.num_layers, cfg.sampler.fanouts = None, None  # its own depth and tokens
+        return RunConfig.from_dict(cfg.to_dict())
+
+    want = reference(mixer(), wiki)
+    got = run(mixer([{"trainer": 1, "step": 4, "at": "allreduce"}]), wiki)
+    assert [e["lost"] for e in got["recoveries"]] == [[1]]
+    assert_same_run(got, want)

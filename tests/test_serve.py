@@ -42,6 +42,7 @@ CASES = {
     "tgn": dict(model="tgn"),
     "tgn-sharded-ldg": dict(model="tgn", memory="sharded", partitioner="ldg"),
     "apan": dict(model="apan"),
+    "graphmixer": dict(model="graphmixer"),
     "tgn-features-string-ids": dict(model="tgn", data="features"),
 }
 

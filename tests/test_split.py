@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import reference_run  # noqa: E402
 from numerics import rel  # noqa: E402
 
-MODELS = ("tgn", "tgat", "dysat", "sage", "jodie", "apan")
+MODELS = ("tgn", "tgat", "dysat", "sage", "jodie", "apan", "graphmixer")
 GRID = [(p, w) for p in (1, 2, 3) for w in (1, 2, 4)]
 
 

@@ -65,6 +65,7 @@ def wiki():
         # JODIE learns from memory alone (no neighbours): it needs more events to get going
         ("jodie", {"data": {"max_events": 10000}, "train": {"lr": 1e-2}}),
         ("apan", {}),
+        ("graphmixer", {}),
     ],
 )
 def test_continual_run_learns(model, over, wiki, tmp_path):

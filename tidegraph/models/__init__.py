@@ -1,10 +1,14 @@
 """Temporal GNN models in pure PyTorch over the sampler's dense blocks: TGN, TGAT, DySAT-style
-snapshots, JODIE, APAN and a GraphSAGE baseline, with an MLP link predictor."""
+snapshots, JODIE, APAN, GraphMixer and a GraphSAGE baseline, with an MLP link predictor; each
+declared by a row of `tidegraph.models.registry`. EdgeBank, the memorising baseline, is in
+`tidegraph.models.edgebank` (no parameters: evaluated on TGB's protocol by
+`tidegraph.training.tgb.edgebank_tgb`)."""
 
 from tidegraph.models.apan import APAN
 from tidegraph.models.base import LinkPredictor, TemporalModel
 from tidegraph.models.config import MODELS, ModelConfig, build_model
 from tidegraph.models.dysat import DySAT
+from tidegraph.models.graphmixer import GraphMixer
 from tidegraph.models.jodie import JODIE
 from tidegraph.models.memory import TGNMemory
 from tidegraph.models.sage import GraphSAGE
@@ -15,6 +19,7 @@ from tidegraph.models.time_encoding import TimeEncoder
 __all__ = [
     "APAN",
     "DySAT",
+    "GraphMixer",
     "GraphSAGE",
     "JODIE",
     "LinkPredictor",

@@ -1,8 +1,9 @@
 """Model configuration and the factory that builds a model from it.
 
-`ModelConfig.num_layers` left at None takes the model's usual depth (TGN 1, TGAT 2, DySAT 1
-per snapshot, GraphSAGE 2, JODIE 0: no neighbours, APAN 1: the neighbours its mails go to); the
-run config checks it against the sampler's fanouts.
+`ModelConfig.num_layers` left at None takes the model's usual depth from its registry row
+(`tidegraph.models.registry`: TGN 1, TGAT 2, DySAT 1 per snapshot, GraphSAGE 2, JODIE 0: no
+neighbours, APAN 1: the neighbours its mails go to, GraphMixer 1: its tokens); the run config
+checks it against the sampler's fanouts.
 """
 
 from __future__ import annotations
@@ -10,21 +11,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tidegraph.config_check import check_fields
-from tidegraph.models.apan import APAN
 from tidegraph.models.base import TemporalModel
-from tidegraph.models.dysat import DySAT
-from tidegraph.models.jodie import JODIE
 from tidegraph.models.layers import TemporalAttention
-from tidegraph.models.sage import GraphSAGE
-from tidegraph.models.tgat import TGAT
-from tidegraph.models.tgn import TGN
+from tidegraph.models.registry import REGISTRY, BuildArgs, spec
 from tidegraph.models.time_encoding import TimeEncoder
 from tidegraph.ops import SLOT_PRECISIONS
 
-__all__ = ["MODELS", "ModelConfig", "build_model"]
+__all__ = ["DEFAULT_LAYERS", "MODELS", "ModelConfig", "build_model"]
 
-MODELS = ("tgn", "tgat", "dysat", "sage", "jodie", "apan")
-DEFAULT_LAYERS = {"tgn": 1, "tgat": 2, "dysat": 1, "sage": 2, "jodie": 0, "apan": 1}
+MODELS = tuple(REGISTRY)
+DEFAULT_LAYERS = {name: s.layers for name, s in REGISTRY.items()}
 
 
 @dataclass(kw_only=True)
@@ -54,8 +50,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         check_fields(self, "model")
-        if self.name not in MODELS:
-            raise ValueError(f"model.name must be one of {MODELS}, got {self.name!r}")
+        model = spec(self.name)
         for field in ("dim", "time_dim", "memory_dim", "heads"):
             if getattr(self, field) < 1:
                 raise ValueError(f"model.{field} must be >= 1, got {getattr(self, field)}")
@@ -66,24 +61,19 @@ class ModelConfig:
             )
         if self.dim % self.heads:
             raise ValueError(f"model.dim ({self.dim}) must be divisible by model.heads")
-        if self.static_memory and self.name != "tgn":
+        if self.static_memory and "static_memory" not in model.options:
             raise ValueError(
                 f"model.static_memory is a TGN option (jodie has a static embedding of its "
                 f"own), got model.name {self.name!r}"
             )
         if self.num_layers is None:
-            self.num_layers = DEFAULT_LAYERS[self.name]
-        if self.name == "jodie" and self.num_layers != 0:
+            self.num_layers = model.layers
+        if model.fixed_layers is not None and self.num_layers != model.fixed_layers:
             raise ValueError(
-                f"model.num_layers must be 0 for jodie (it samples no neighbours), "
-                f"got {self.num_layers}"
+                f"model.num_layers must be {model.fixed_layers} for {self.name} "
+                f"({model.why_fixed}), got {self.num_layers}"
             )
-        if self.name == "apan" and self.num_layers != 1:
-            raise ValueError(
-                "model.num_layers must be 1 for apan (one hop of neighbours receives its mails), "
-                f"got {self.num_layers}"
-            )
-        if self.name != "jodie" and self.num_layers < 1:
+        if model.fixed_layers != 0 and self.num_layers < 1:
             raise ValueError(f"model.num_layers must be >= 1, got {self.num_layers}")
 
 
@@ -94,28 +84,17 @@ def build_model(
     num_snapshots: int = 1,
     node_features=None,
     node_feat_dim: int = 0,
+    fanouts=None,
 ) -> TemporalModel:
-    """A fresh model; parameters come from torch's global generator (seed it first)."""
-    c = config
-    if c.name == "tgn":
-        model = TGN(num_nodes, c.dim, c.memory_dim, c.time_dim, edge_dim, c.num_layers, c.heads,
-                    static_memory=c.static_memory)  # fmt: skip
-    elif c.name == "tgat":
-        nodes = dict(node_features=node_features, node_feat_dim=node_feat_dim)
-        model = TGAT(num_nodes, c.dim, c.time_dim, edge_dim, c.num_layers, c.heads, **nodes)
-    elif c.name == "apan":
-        model = APAN(num_nodes, c.dim, c.time_dim, edge_dim, c.heads)
-    elif c.name == "jodie":
-        model = JODIE(num_nodes, c.dim, c.memory_dim, c.time_dim, edge_dim)
-    elif c.name == "dysat":
-        nodes = dict(node_features=node_features, node_feat_dim=node_feat_dim)
-        model = DySAT(num_nodes, num_snapshots, c.dim, c.num_layers, c.heads, **nodes)
-    else:
-        model = GraphSAGE(num_nodes, c.dim, c.num_layers, node_features, node_feat_dim)
+    """A fresh model; parameters come from torch's global generator (seed it first).
+    `fanouts`: the sampler's, for models whose shape depends on them (GraphMixer's tokens)."""
+    args = BuildArgs(num_nodes, edge_dim, num_snapshots, node_features, node_feat_dim,
+                     tuple(fanouts or ()))  # fmt: skip
+    model = spec(config.name).build(config, args)
     for module in model.modules():
         if isinstance(module, TemporalAttention):
-            module.slot_precision = c.slot_precision
-        if not c.time_trainable and isinstance(module, TimeEncoder):
+            module.slot_precision = config.slot_precision
+        if not config.time_trainable and isinstance(module, TimeEncoder):
             module.weight.requires_grad_(False)
             module.bias.requires_grad_(False)
     return model

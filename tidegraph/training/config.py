@@ -16,6 +16,7 @@ from tidegraph.comm.config import CommConfig
 from tidegraph.config_check import check_fields, read_yaml, unknown_keys
 from tidegraph.elastic.policy import SCALE_RULES
 from tidegraph.models.config import ModelConfig
+from tidegraph.models.registry import REGISTRY, spec
 from tidegraph.storage.cache import POLICIES
 from tidegraph.storage.features import PRECISIONS
 from tidegraph.storage.ingest import FORMATS, parse_columns, parse_features
@@ -156,6 +157,9 @@ class EvalConfig:
     # tgb: the first `prefix` positives of validation and of test are scored (0: all); the
     # rest of validation is still recorded in node state, so test starts where it would
     prefix: int = 0
+    # tgb: score validation after every epoch (False: after the last only; 999 negatives a
+    # positive make it as costly as training, and it selects nothing)
+    every_epoch: bool = False
 
     def __post_init__(self) -> None:
         check_fields(self, "eval")
@@ -481,20 +485,21 @@ class RunConfig:
                 f"graph_device must be 'cpu', 'cuda', 'cuda:N' or 'pinned' (host memory read "
                 f"from CUDA), got {self.graph_device!r}"
             )
-        layers = self.model.num_layers
+        layers, model = self.model.num_layers, spec(self.model.name)
         if self.sampler.fanouts is None:
-            self.sampler.fanouts = [10] * layers
+            self.sampler.fanouts = [model.fanout] * layers
         elif len(self.sampler.fanouts) != layers:
             raise ValueError(
                 f"sampler.fanouts has {len(self.sampler.fanouts)} entries but model "
                 f"{self.model.name!r} has num_layers={layers}: give one fanout per layer"
             )
         if self.sampler.num_snapshots is None:
-            self.sampler.num_snapshots = 3 if self.model.name == "dysat" else 1
-        if self.model.name != "dysat" and self.sampler.num_snapshots != 1:
+            self.sampler.num_snapshots = model.snapshots
+        if not model.uses_snapshots and self.sampler.num_snapshots != 1:
+            users = [name for name, row in REGISTRY.items() if row.uses_snapshots]
             raise ValueError(
                 f"sampler.num_snapshots must be 1 for model {self.model.name!r} "
-                "(only dysat uses snapshots)"
+                f"(only {', '.join(users)} uses snapshots)"
             )
 
     @staticmethod

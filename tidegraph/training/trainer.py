@@ -76,8 +76,9 @@ class TrainerCore:
             if init is not None:
                 torch.set_rng_state(init.get_state())
             self.model: TemporalModel = build_model(
-                config.model, num_nodes, edge_dim, num_snapshots=snaps
-            ).to(self.device)
+                config.model, num_nodes, edge_dim, num_snapshots=snaps,
+                fanouts=config.sampler.fanouts,
+            ).to(self.device)  # fmt: skip
         # sharded node state: the model holds none of its own, each pass installs what it reads
         self.state_source = state_source
         self._deltas = DeltaTables()  # node-state tables written as changed rows
