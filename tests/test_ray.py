@@ -60,6 +60,7 @@ def wiki():
         ("apan", "sharded", True, "recent"),
         ("tgat", "replicated", False, "uniform"),
         ("graphmixer", "replicated", True, "recent"),
+        ("dygformer", "replicated", True, "recent"),
     ],
 )
 def test_ray_actors_give_bitwise_what_the_local_group_gives(

@@ -43,6 +43,7 @@ CASES = {
     "tgn-sharded-ldg": dict(model="tgn", memory="sharded", partitioner="ldg"),
     "apan": dict(model="apan"),
     "graphmixer": dict(model="graphmixer"),
+    "dygformer": dict(model="dygformer"),
     "tgn-features-string-ids": dict(model="tgn", data="features"),
 }
 
@@ -188,6 +189,11 @@ def test_served_state_is_the_learners_at_its_checkpoint_and_after_the_log_grows(
     assert torch.equal(chunked, best)
     torch.testing.assert_close(chunked_probs, probs, rtol=0, atol=2e-6)
     served.config.train.eval_max_roots = 8192
+    if case == "dygformer":  # pairs encoded jointly: no embedding of a node alone
+        with pytest.raises(QueryError, match="embed: model dygformer encodes each .src, dst. "
+                           "pair jointly"):  # fmt: skip
+            served.embed(src[:1], ts[:1])
+        return
     z = served.embed(torch.cat([src[:20], dst[:20]]), torch.cat([ts[:20], ts[:20]]))
     model = served.trainer.model
     with torch.no_grad():

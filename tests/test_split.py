@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import reference_run  # noqa: E402
 from numerics import rel  # noqa: E402
 
-MODELS = ("tgn", "tgat", "dysat", "sage", "jodie", "apan", "graphmixer")
+MODELS = ("tgn", "tgat", "dysat", "sage", "jodie", "apan", "graphmixer", "dygformer")
 GRID = [(p, w) for p in (1, 2, 3) for w in (1, 2, 4)]
 
 
@@ -254,8 +254,10 @@ def test_phase1_and_an_increment_in_float32(stream20k):
     assert_same_run(ref, run_20k("tgn", 2, 2, stream20k), (2, 2), 3e-3)
 
 
+# DyGFormer is left out of the 20k-event runs (~90 s an epoch of 20k events on this box, in
+# float32, nine runs in float64): its first steps are on the whole grid above, in float64
 @pytest.mark.slow
-@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("model", [m for m in MODELS if m != "dygformer"])
 def test_phase1_and_an_increment_match_on_the_whole_grid(model, stream20k, float64):
     ref = run_20k(model, 1, 1, stream20k, float64)
     for shards, trainers in GRID[1:]:

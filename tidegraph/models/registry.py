@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from tidegraph.models.apan import APAN
 from tidegraph.models.base import TemporalModel
+from tidegraph.models.dygformer import DyGFormer
 from tidegraph.models.dysat import DySAT
 from tidegraph.models.graphmixer import GraphMixer
 from tidegraph.models.jodie import JODIE
@@ -73,6 +74,13 @@ def _graphmixer(c, a: BuildArgs) -> TemporalModel:
     return GraphMixer(a.num_nodes, c.dim, c.time_dim, a.edge_dim, tokens, **a.nodes)
 
 
+def _dygformer(c, a: BuildArgs) -> TemporalModel:
+    length = (a.fanouts[0] if a.fanouts else 31) + 1  # the node's own token, then its history
+    channels = -(-50 // c.heads) * c.heads  # the paper's 50 a feature, a multiple of heads
+    return DyGFormer(a.num_nodes, c.dim, c.time_dim, a.edge_dim, length, channels,
+                     heads=c.heads)  # fmt: skip
+
+
 REGISTRY: dict[str, ModelSpec] = {
     s.name: s
     for s in (
@@ -92,6 +100,8 @@ REGISTRY: dict[str, ModelSpec] = {
                   why_fixed="one hop of neighbours receives its mails"),
         ModelSpec("graphmixer", _graphmixer, layers=1, fixed_layers=1, fanout=20,
                   why_fixed="its tokens are one hop's most recent interactions"),
+        ModelSpec("dygformer", _dygformer, layers=1, fixed_layers=1, fanout=31, embeds=False,
+                  why_fixed="its sequences are one hop's most recent interactions"),
     )
 }  # fmt: skip
 

@@ -38,6 +38,7 @@ import pyarrow.parquet as pq
 import torch
 import yaml
 
+from tidegraph.models.registry import spec
 from tidegraph.storage.checkpoint import CheckpointStore
 from tidegraph.storage.eventlog import EventLog, open_fs
 from tidegraph.storage.events import EventBatch
@@ -305,7 +306,12 @@ class ServedState:
         return best.indices, torch.sigmoid(best.values)
 
     def embed(self, nodes: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        """Embeddings [N, D] of dense `nodes` at times `t` (`eval_max_roots` roots a pass)."""
+        """Embeddings [N, D] of dense `nodes` at times `t` (`eval_max_roots` roots a pass);
+        QueryError for a model that encodes pairs jointly (its registry row: `embeds`)."""
+        name = self.config.model.name
+        if not spec(name).embeds:
+            raise QueryError(f"embed: model {name} encodes each (src, dst) pair jointly, so a "
+                             f"node has no embedding alone; ask /score or /topk")  # fmt: skip
         step = self.config.train.eval_max_roots
         with self.lock, self._new_node_placed():
             parts = zip(nodes.split(step), t.split(step), strict=True)
