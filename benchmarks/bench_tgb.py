@@ -3,7 +3,7 @@
 test MRR and Hits@10, train seconds an epoch and evaluation seconds per 1,000 positives.
 
     python benchmarks/bench_tgb.py [--dataset wikipedia] [--models tgn tgat ...] [--seeds 0 1 2]
-        [--epochs 3] [--negatives 999] [--prefix 2000] [--out benchmarks/tgb.json]
+        [--epochs 3] [--negatives 999] [--prefix 2000] [--out benchmarks/out/tgb.json]
 
 Models are scored on the first `--prefix` positives of validation and test (the same for every
 model; 0: all), EdgeBank on every positive and on the prefix. One thread, local backend, one
@@ -71,7 +71,7 @@ def main() -> None:
     p.add_argument("--negatives", type=int, default=999)
     p.add_argument("--prefix", type=int, default=2000)
     p.add_argument("--max-events", type=int)
-    p.add_argument("--out", default="benchmarks/tgb.json")
+    p.add_argument("--out", default="benchmarks/out/tgb.json")
     args = p.parse_args()
     torch.set_num_threads(1)
     stream = load_stream(args.dataset, args.max_events)
@@ -81,6 +81,7 @@ def main() -> None:
         for model in args.models:
             rows.append(model_row(stream, args, model, seed))
             print(json.dumps(rows[-1]), flush=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(rows, indent=1))
     print(f"\n{args.dataset}, TGB protocol, {args.negatives} negatives, seeds {args.seeds}")
     print(f"{'model':>20} {'prefix':>7} {'test MRR':>14} {'Hits@10':>8} {'epoch s':>8} "
