@@ -543,7 +543,7 @@ CASES = [
     # model
     *[
         Case(f"model.name={m}", {"model": {"name": m}})
-        for m in ("tgat", "dysat", "sage", "jodie", "apan", "graphmixer", "dygformer")
+        for m in ("tgat", "dysat", "sage", "jodie", "apan", "graphmixer", "dygformer", "tpnet")
     ],
     Case("model.dim", {"model": {"dim": 32}}),
     Case("model.time_dim", {"model": {"time_dim": 4}}),

@@ -70,7 +70,7 @@ def _walk(obj, prefix=""):
 
 
 LOCAL = [(m, "replicated") for m in MODELS]
-LOCAL += [(m, "sharded") for m in ("tgn", "jodie", "apan")]  # those with node state
+LOCAL += [(m, "sharded") for m in ("tgn", "jodie", "apan", "tpnet")]  # those with node state
 
 
 @pytest.mark.parametrize(("model", "memory"), LOCAL)

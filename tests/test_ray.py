@@ -61,6 +61,7 @@ def wiki():
         ("tgat", "replicated", False, "uniform"),
         ("graphmixer", "replicated", True, "recent"),
         ("dygformer", "replicated", True, "recent"),
+        ("tpnet", "sharded", True, "recent"),
     ],
 )
 def test_ray_actors_give_bitwise_what_the_local_group_gives(

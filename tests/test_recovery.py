@@ -581,3 +581,20 @@ def test_a_graphmixer_run_recovers_a_lost_trainer_bitwise(ray_session, wiki):
     got = run(mixer([{"trainer": 1, "step": 4, "at": "allreduce"}]), wiki)
     assert [e["lost"] for e in got["recoveries"]] == [[1]]
     assert_same_run(got, want)
+
+
+def test_a_tpnet_run_recovers_a_lost_trainer_bitwise(ray_session, wiki):
+    """TPNet (node state: its walk projections, changed by each step's events) loses trainer
+    1 at the forward pass of step 5, after both trainers applied step 4's contributions: the
+    step sent anew must not add them twice."""
+
+    def tpnet(faults=()) -> RunConfig:
+        cfg = config(faults, whole_passes=False)
+        cfg.model.name = "tpnet"
+        cfg.model.num_layers, cfg.sampler.fanouts = None, None  # its own depth and tokens
+        return RunConfig.from_dict(cfg.to_dict())
+
+    want = reference(tpnet(), wiki)
+    got = run(tpnet([{"trainer": 1, "step": 5, "at": "forward"}]), wiki)
+    assert [e["lost"] for e in got["recoveries"]] == [[1]]
+    assert_same_run(got, want)

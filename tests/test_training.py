@@ -66,6 +66,7 @@ def wiki():
         ("jodie", {"data": {"max_events": 10000}, "train": {"lr": 1e-2}}),
         ("apan", {}),
         ("graphmixer", {}),
+        ("tpnet", {}),
     ],
 )
 def test_continual_run_learns(model, over, wiki, tmp_path):

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from tidegraph.config_check import explicit_fields
 from tidegraph.jobs.preflight import conflicts, preflight
+from tidegraph.models.config import MODELS
 from tidegraph.orchestrator.backend import make_group
 from tidegraph.runtime import set_determinism, tune_host_allocator
 from tidegraph.training.config import RunConfig, read_config
@@ -39,7 +40,7 @@ log = logging.getLogger("tidegraph.jobs.train")
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m tidegraph.jobs.train", description=__doc__)
     p.add_argument("--config", help="YAML file mapped onto RunConfig")
-    p.add_argument("--model", help="tgn, tgat, dysat, sage, jodie or apan")
+    p.add_argument("--model", help=", ".join(MODELS))
     p.add_argument("--dataset", help="wikipedia, uci (alias collegemsg) or a file path")
     p.add_argument("--format", help="of a file: auto (default), jodie, tgl, snap, csv, parquet")
     p.add_argument("--quarantine", help="write a file's rejected rows here instead of failing")

@@ -1,8 +1,8 @@
 """Temporal GNN models in pure PyTorch over the sampler's dense blocks: TGN, TGAT, DySAT-style
-snapshots, JODIE, APAN, GraphMixer and a GraphSAGE baseline, with an MLP link predictor; each
-declared by a row of `tidegraph.models.registry`. EdgeBank, the memorising baseline, is in
-`tidegraph.models.edgebank` (no parameters: evaluated on TGB's protocol by
-`tidegraph.training.tgb.edgebank_tgb`)."""
+snapshots, JODIE, APAN, GraphMixer, DyGFormer, TPNet and a GraphSAGE baseline, with an MLP
+link predictor; each declared by a row of `tidegraph.models.registry`. EdgeBank, the
+memorising baseline, is in `tidegraph.models.edgebank` (no parameters: evaluated on TGB's
+protocol by `tidegraph.training.tgb.edgebank_tgb`)."""
 
 from tidegraph.models.apan import APAN
 from tidegraph.models.base import LinkPredictor, TemporalModel
@@ -15,6 +15,7 @@ from tidegraph.models.sage import GraphSAGE
 from tidegraph.models.tgat import TGAT
 from tidegraph.models.tgn import TGN
 from tidegraph.models.time_encoding import TimeEncoder
+from tidegraph.models.tpnet import TPNet
 
 __all__ = [
     "APAN",
@@ -28,6 +29,7 @@ __all__ = [
     "TGAT",
     "TGN",
     "TGNMemory",
+    "TPNet",
     "TemporalModel",
     "TimeEncoder",
     "build_model",

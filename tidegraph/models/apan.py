@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tidegraph.models.base import ChangedRows, TemporalModel
+from tidegraph.models.base import TableStateModel
 from tidegraph.models.layers import TemporalAttention, edge_features
 from tidegraph.models.time_encoding import TimeEncoder
 from tidegraph.ops import gather_rows, latest_rows
@@ -36,8 +36,10 @@ __all__ = ["APAN"]
 _STATE = ("memory", "last_update", "mail", "mail_t", "mail_count")
 
 
-class APAN(TemporalModel):
+class APAN(TableStateModel):
     num_layers = 1
+    state_names = _STATE
+    state_fill = {"mail_t": -torch.inf}
 
     def __init__(
         self,
@@ -55,10 +57,7 @@ class APAN(TemporalModel):
         self.time_enc = TimeEncoder(time_dim)
         self.mail_in = nn.Linear(self.mail_dim, dim)
         self.attention = TemporalAttention(dim, self.time_enc, 0, dim, heads)
-        self.row_index = None  # compact tables (sharded node state): ids -> rows
         self._alloc(num_nodes)
-        self.changed = ChangedRows()  # rows changed since `take_changed`
-        self._queue: list[tuple[int, torch.Tensor, Block]] = []
         self._batch: int | None = None  # events in the forward pass under way (set by score)
 
     def _alloc(self, n: int) -> None:
@@ -69,26 +68,8 @@ class APAN(TemporalModel):
         self.register_buffer("mail_t", torch.full((n, m), -torch.inf, dtype=torch.float64))
         self.register_buffer("mail_count", torch.zeros(n, dtype=torch.int64))  # mails received
 
-    def _r(self, ids: torch.Tensor) -> torch.Tensor:
-        return ids if self.row_index is None else self.row_index(ids)
-
-    def state_tables(self) -> dict[str, torch.Tensor]:
-        return {name: getattr(self, name) for name in _STATE}
-
     def state_ids(self, roots: torch.Tensor, blocks: list) -> torch.Tensor:
         return torch.unique(roots)  # embeddings read the roots' memory and mails only
-
-    def load_compact_state(self, row_index, tables: dict) -> None:
-        self.changed.replaced(self.state_tables(), tables)
-        for name in _STATE:
-            setattr(self, name, tables[name])
-        self.row_index = row_index
-
-    def take_changed(self) -> torch.Tensor | None:
-        return self.changed.take(self.memory.shape[0], self.memory.device)
-
-    def return_changed(self, changed: torch.Tensor | None) -> None:
-        self.changed.give_back(changed)
 
     # ---- forward ----------------------------------------------------------------------------
 
@@ -211,43 +192,3 @@ class APAN(TemporalModel):
         self.mail[tgt, slot] = mails[order].to(self.mail.dtype)
         self.mail_t[tgt, slot] = times[order]
         self.mail_count[self._r(uniq)] += counts
-
-    def discard(self) -> None:
-        self._queue.clear()
-
-    def reset_state(self) -> None:
-        self._queue.clear()
-        for name in _STATE:
-            buffer = getattr(self, name)
-            buffer.fill_(-torch.inf if name == "mail_t" else 0)
-        self.changed.forget()
-
-    def node_state(self) -> dict:
-        return {name: getattr(self, name).clone() for name in _STATE}
-
-    def load_node_state(self, state: dict) -> None:
-        self._queue.clear()
-        state = {k: v.clone().to(getattr(self, k).device) for k, v in state.items()}
-        self.changed.replaced(self.state_tables(), state)
-        for name, value in state.items():
-            setattr(self, name, value)
-
-    def grow(self, num_nodes: int) -> None:
-        if self.external_state:
-            return
-        extra = num_nodes - self.memory.shape[0]
-        if extra <= 0:
-            return
-        for name in _STATE:
-            old = getattr(self, name)
-            fill = -torch.inf if name == "mail_t" else 0
-            pad = old.new_full((extra,) + tuple(old.shape[1:]), fill)
-            setattr(self, name, torch.cat([old, pad]))
-        self.changed.grew(extra)
-
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        key = prefix + "memory"
-        if key in state_dict:
-            self.grow(state_dict[key].shape[0])
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-        self.changed.forget()

@@ -26,7 +26,7 @@ from torch import nn
 from tidegraph.ops import gather_rows
 from tidegraph.storage.events import EventBatch
 
-__all__ = ["LinkPredictor", "TemporalModel", "first_block", "link_roots"]
+__all__ = ["LinkPredictor", "TableStateModel", "TemporalModel", "first_block", "link_roots"]
 
 
 class LinkPredictor(nn.Module):
@@ -168,6 +168,83 @@ class TemporalModel(nn.Module):
 
     def load_node_state(self, state: dict) -> None:
         """Restore what `node_state` returned."""
+
+
+class TableStateModel(TemporalModel):
+    """A model whose node state is a few tables of one row a node (`state_names`, buffers;
+    `state_fill` the value of an empty row where not 0), changed after each step from the
+    forward passes it queued (`_queue`): APAN's mailboxes, TPNet's walk projections. Holds
+    what is the same for all such models: compact tables through `row_index` (sharded
+    placement), changed rows, snapshots, growth, reset."""
+
+    state_names: tuple[str, ...] = ()
+    state_fill: dict[str, float] = {}
+
+    def __init__(self, dim: int) -> None:
+        super().__init__(dim)
+        self.row_index = None  # compact tables (sharded node state): ids -> rows
+        self.changed = ChangedRows()  # rows changed since `take_changed`
+        self._queue: list[tuple] = []  # per forward pass, what its updates are made from
+
+    def _r(self, ids: torch.Tensor) -> torch.Tensor:
+        return ids if self.row_index is None else self.row_index(ids)
+
+    def _rows(self) -> int:
+        return int(getattr(self, self.state_names[0]).shape[0])
+
+    def state_tables(self) -> dict[str, torch.Tensor]:
+        return {name: getattr(self, name) for name in self.state_names}
+
+    def load_compact_state(self, row_index, tables: dict) -> None:
+        self.changed.replaced(self.state_tables(), tables)
+        for name in self.state_names:
+            setattr(self, name, tables[name])
+        self.row_index = row_index
+
+    def take_changed(self) -> torch.Tensor | None:
+        table = getattr(self, self.state_names[0])
+        return self.changed.take(table.shape[0], table.device)
+
+    def return_changed(self, changed: torch.Tensor | None) -> None:
+        self.changed.give_back(changed)
+
+    def discard(self) -> None:
+        self._queue.clear()
+
+    def reset_state(self) -> None:
+        self._queue.clear()
+        for name in self.state_names:
+            getattr(self, name).fill_(self.state_fill.get(name, 0))
+        self.changed.forget()
+
+    def node_state(self) -> dict:
+        return {name: getattr(self, name).clone() for name in self.state_names}
+
+    def load_node_state(self, state: dict) -> None:
+        self._queue.clear()
+        state = {k: v.clone().to(getattr(self, k).device) for k, v in state.items()}
+        self.changed.replaced(self.state_tables(), state)
+        for name, value in state.items():
+            setattr(self, name, value)
+
+    def grow(self, num_nodes: int) -> None:
+        if self.external_state:
+            return
+        extra = num_nodes - self._rows()
+        if extra <= 0:
+            return
+        for name in self.state_names:
+            old = getattr(self, name)
+            pad = old.new_full((extra,) + tuple(old.shape[1:]), self.state_fill.get(name, 0))
+            setattr(self, name, torch.cat([old, pad]))
+        self.changed.grew(extra)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        key = prefix + self.state_names[0]
+        if key in state_dict:
+            self.grow(state_dict[key].shape[0])
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self.changed.forget()
 
 
 def first_block(blocks: list):

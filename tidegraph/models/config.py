@@ -47,6 +47,9 @@ class ModelConfig:
     # item 3); its cost is nodes x memory_dim more parameters on every trainer, all-reduced
     # and stepped each step (JODIE has such a table already)
     static_memory: bool = False
+    # TPNet only: the time decay lambda of its walk matrices, per time unit of the stream (a
+    # walk's weight is exp(-lambda x its age); 1e-6 a second halves a walk's weight in 8 days)
+    walk_decay: float = 1e-6
 
     def __post_init__(self) -> None:
         check_fields(self, "model")
@@ -66,6 +69,10 @@ class ModelConfig:
                 f"model.static_memory is a TGN option (jodie has a static embedding of its "
                 f"own), got model.name {self.name!r}"
             )
+        if not self.walk_decay >= 0 or self.walk_decay == float("inf"):
+            raise ValueError(f"model.walk_decay must be finite and >= 0, got {self.walk_decay}")
+        if self.walk_decay != 1e-6 and "walk_decay" not in model.options:
+            raise ValueError(f"model.walk_decay is a TPNet option, got model.name {self.name!r}")
         if self.num_layers is None:
             self.num_layers = model.layers
         if model.fixed_layers is not None and self.num_layers != model.fixed_layers:

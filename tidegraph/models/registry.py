@@ -29,6 +29,7 @@ from tidegraph.models.jodie import JODIE
 from tidegraph.models.sage import GraphSAGE
 from tidegraph.models.tgat import TGAT
 from tidegraph.models.tgn import TGN
+from tidegraph.models.tpnet import TPNet
 
 __all__ = ["REGISTRY", "BuildArgs", "ModelSpec", "spec"]
 
@@ -81,6 +82,11 @@ def _dygformer(c, a: BuildArgs) -> TemporalModel:
                      heads=c.heads)  # fmt: skip
 
 
+def _tpnet(c, a: BuildArgs) -> TemporalModel:
+    tokens = a.fanouts[0] if a.fanouts else 20
+    return TPNet(a.num_nodes, c.dim, c.time_dim, a.edge_dim, tokens, decay=c.walk_decay)
+
+
 REGISTRY: dict[str, ModelSpec] = {
     s.name: s
     for s in (
@@ -102,6 +108,9 @@ REGISTRY: dict[str, ModelSpec] = {
                   why_fixed="its tokens are one hop's most recent interactions"),
         ModelSpec("dygformer", _dygformer, layers=1, fixed_layers=1, fanout=31, embeds=False,
                   why_fixed="its sequences are one hop's most recent interactions"),
+        ModelSpec("tpnet", _tpnet, layers=1, fixed_layers=1, fanout=20, node_state=True,
+                  embeds=False, options=frozenset({"walk_decay"}),
+                  why_fixed="its tokens are one hop's most recent interactions"),
     )
 }  # fmt: skip
 
