@@ -567,18 +567,19 @@ def test_a_task_per_step_run_applies_each_batch_of_updates_once(ray_session, wik
     assert_same_run(got, want)
 
 
+def model_config(name: str, faults=(), **cluster) -> RunConfig:
+    """`config` with model `name` at its own depth and fanouts (its registry row's)."""
+    cfg = config(faults, **cluster)
+    cfg.model.name = name
+    cfg.model.num_layers, cfg.sampler.fanouts = None, None
+    return RunConfig.from_dict(cfg.to_dict())
+
+
 def test_a_graphmixer_run_recovers_a_lost_trainer_bitwise(ray_session, wiki):
     """GraphMixer (no node state: the replica's parameters and optimizer are all there is to
     bring back) loses trainer 1 at its all-reduce and ends as the fault-free run."""
-
-    def mixer(faults=()) -> RunConfig:
-        cfg = config(faults)
-        cfg.model.name = "graphmixer"
-        cfg.model.num_layers, cfg.sampler.fanouts = None, None  # its own depth and tokens
-        return RunConfig.from_dict(cfg.to_dict())
-
-    want = reference(mixer(), wiki)
-    got = run(mixer([{"trainer": 1, "step": 4, "at": "allreduce"}]), wiki)
+    want = reference(model_config("graphmixer"), wiki)
+    got = run(model_config("graphmixer", [{"trainer": 1, "step": 4, "at": "allreduce"}]), wiki)
     assert [e["lost"] for e in got["recoveries"]] == [[1]]
     assert_same_run(got, want)
 
@@ -587,14 +588,8 @@ def test_a_tpnet_run_recovers_a_lost_trainer_bitwise(ray_session, wiki):
     """TPNet (node state: its walk projections, changed by each step's events) loses trainer
     1 at the forward pass of step 5, after both trainers applied step 4's contributions: the
     step sent anew must not add them twice."""
-
-    def tpnet(faults=()) -> RunConfig:
-        cfg = config(faults, whole_passes=False)
-        cfg.model.name = "tpnet"
-        cfg.model.num_layers, cfg.sampler.fanouts = None, None  # its own depth and tokens
-        return RunConfig.from_dict(cfg.to_dict())
-
-    want = reference(tpnet(), wiki)
-    got = run(tpnet([{"trainer": 1, "step": 5, "at": "forward"}]), wiki)
+    fault = [{"trainer": 1, "step": 5, "at": "forward"}]
+    want = reference(model_config("tpnet", whole_passes=False), wiki)
+    got = run(model_config("tpnet", fault, whole_passes=False), wiki)
     assert [e["lost"] for e in got["recoveries"]] == [[1]]
     assert_same_run(got, want)

@@ -26,7 +26,14 @@ from torch import nn
 from tidegraph.ops import gather_rows
 from tidegraph.storage.events import EventBatch
 
-__all__ = ["LinkPredictor", "TableStateModel", "TemporalModel", "first_block", "link_roots"]
+__all__ = [
+    "LinkPredictor",
+    "TableStateModel",
+    "TemporalModel",
+    "first_block",
+    "link_roots",
+    "pairwise_scores",
+]
 
 
 class LinkPredictor(nn.Module):
@@ -252,6 +259,20 @@ def first_block(blocks: list):
     if not blocks:
         return None
     return blocks[0][0] if isinstance(blocks[0], list) else blocks[0]
+
+
+def pairwise_scores(block, b: int, q: int, chunk: int, pairs) -> tuple[torch.Tensor, torch.Tensor]:
+    """`score` for models that encode each (src, dst) pair jointly: `block` was sampled for
+    the roots of `link_roots` (or their distinct rows, `root_index`); `pairs(left, right)`
+    gives the logits of pairs of block rows, called `chunk` pairs at a time over (src_i,
+    dst_i) for i < b, then (src_i, neg_ij) row-major. Logits [b] and [b, q]."""
+    row = (block.root_index if block.root_index is not None
+           else torch.arange(2 * b + b * q, device=block.dst_ids.device))  # fmt: skip
+    left = torch.cat([row[:b], row[:b].repeat_interleave(q)])
+    right = torch.cat([row[b : 2 * b], row[2 * b :]])
+    logits = torch.cat([pairs(left[lo : lo + chunk], right[lo : lo + chunk])
+                        for lo in range(0, left.numel(), chunk)])  # fmt: skip
+    return logits[:b], logits[b:].view(b, q)
 
 
 def link_roots(

@@ -15,6 +15,7 @@ from tidegraph.models.base import TemporalModel
 from tidegraph.models.layers import TemporalAttention
 from tidegraph.models.registry import REGISTRY, BuildArgs, spec
 from tidegraph.models.time_encoding import TimeEncoder
+from tidegraph.models.tpnet import WALK_DECAY
 from tidegraph.ops import SLOT_PRECISIONS
 
 __all__ = ["DEFAULT_LAYERS", "MODELS", "ModelConfig", "build_model"]
@@ -49,7 +50,7 @@ class ModelConfig:
     static_memory: bool = False
     # TPNet only: the time decay lambda of its walk matrices, per time unit of the stream (a
     # walk's weight is exp(-lambda x its age); 1e-6 a second halves a walk's weight in 8 days)
-    walk_decay: float = 1e-6
+    walk_decay: float = WALK_DECAY
 
     def __post_init__(self) -> None:
         check_fields(self, "model")
@@ -71,7 +72,7 @@ class ModelConfig:
             )
         if not self.walk_decay >= 0 or self.walk_decay == float("inf"):
             raise ValueError(f"model.walk_decay must be finite and >= 0, got {self.walk_decay}")
-        if self.walk_decay != 1e-6 and "walk_decay" not in model.options:
+        if self.walk_decay != WALK_DECAY and "walk_decay" not in model.options:
             raise ValueError(f"model.walk_decay is a TPNet option, got model.name {self.name!r}")
         if self.num_layers is None:
             self.num_layers = model.layers

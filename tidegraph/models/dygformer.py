@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tidegraph.models.base import TemporalModel, first_block
+from tidegraph.models.base import TemporalModel, first_block, pairwise_scores
 from tidegraph.models.time_encoding import TimeEncoder
 
 __all__ = ["DyGFormer"]
@@ -86,16 +86,8 @@ class DyGFormer(TemporalModel):
         b, q = neg_BQ.shape
         block = first_block(blocks)
         ids, mask, dt, feat = self._sequences(block)
-        n_roots = 2 * b + b * q
-        row = (block.root_index if block.root_index is not None
-               else torch.arange(n_roots, device=ids.device))  # fmt: skip
-        # pairs: (src_i, dst_i) for i < b, then (src_i, neg_ij) row-major
-        left = torch.cat([row[:b], row[:b].repeat_interleave(q)])
-        right = torch.cat([row[b : 2 * b], row[2 * b :]])
-        logits = torch.cat([self._pairs(ids, mask, dt, feat, left[lo : lo + self.pair_chunk],
-                                        right[lo : lo + self.pair_chunk])
-                            for lo in range(0, left.numel(), self.pair_chunk)])  # fmt: skip
-        return logits[:b], logits[b:].view(b, q)
+        pairs = lambda left, right: self._pairs(ids, mask, dt, feat, left, right)  # noqa: E731
+        return pairwise_scores(block, b, q, self.pair_chunk, pairs)
 
     def _side(self, ids, mask, dt, feat, own, other):
         """Tokens [P, L, C] of the `own` rows' sequences in pairs with the `other` rows'."""

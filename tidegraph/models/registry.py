@@ -45,6 +45,10 @@ class BuildArgs:
     node_feat_dim: int = 0
     fanouts: tuple[int, ...] = ()
 
+    def fanout(self, default: int) -> int:
+        """The sampler's first hop's fanout (`default` when built without a sampler)."""
+        return self.fanouts[0] if self.fanouts else default
+
     @property
     def nodes(self) -> dict:
         return {"node_features": self.node_features, "node_feat_dim": self.node_feat_dim}
@@ -71,20 +75,18 @@ def _tgn(c, a: BuildArgs) -> TemporalModel:
 
 
 def _graphmixer(c, a: BuildArgs) -> TemporalModel:
-    tokens = a.fanouts[0] if a.fanouts else 20
-    return GraphMixer(a.num_nodes, c.dim, c.time_dim, a.edge_dim, tokens, **a.nodes)
+    return GraphMixer(a.num_nodes, c.dim, c.time_dim, a.edge_dim, a.fanout(20), **a.nodes)
 
 
 def _dygformer(c, a: BuildArgs) -> TemporalModel:
-    length = (a.fanouts[0] if a.fanouts else 31) + 1  # the node's own token, then its history
+    length = a.fanout(31) + 1  # the node's own token, then its history
     channels = -(-50 // c.heads) * c.heads  # the paper's 50 a feature, a multiple of heads
     return DyGFormer(a.num_nodes, c.dim, c.time_dim, a.edge_dim, length, channels,
                      heads=c.heads)  # fmt: skip
 
 
 def _tpnet(c, a: BuildArgs) -> TemporalModel:
-    tokens = a.fanouts[0] if a.fanouts else 20
-    return TPNet(a.num_nodes, c.dim, c.time_dim, a.edge_dim, tokens, decay=c.walk_decay)
+    return TPNet(a.num_nodes, c.dim, c.time_dim, a.edge_dim, a.fanout(20), decay=c.walk_decay)
 
 
 REGISTRY: dict[str, ModelSpec] = {

@@ -31,14 +31,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tidegraph.models.base import TableStateModel, first_block
+from tidegraph.models.base import TableStateModel, first_block, pairwise_scores
 from tidegraph.models.time_encoding import TimeEncoder
 from tidegraph.ops import gather_rows
 from tidegraph.storage.events import EventBatch
 
-__all__ = ["TPNet", "random_signs"]
+__all__ = ["WALK_DECAY", "TPNet", "random_signs"]
 
 _STATE = ("walk", "walk_t")
+WALK_DECAY = 1e-6  # lambda a time unit by default: a walk a second old in 8 days weighs half
 _P = 2147483647  # 2^31 - 1: products of two residues stay below 2^62
 
 
@@ -68,7 +69,7 @@ class TPNet(TableStateModel):
         time_dim: int = 100,
         edge_dim: int = 0,
         tokens: int = 20,
-        decay: float = 1e-6,
+        decay: float = WALK_DECAY,
         levels: int = 2,
         walk_dim: int = 128,
         pair_chunk: int = 1024,
@@ -86,7 +87,6 @@ class TPNet(TableStateModel):
         self.register_buffer("walk", torch.zeros(num_nodes, levels, walk_dim))
         self.register_buffer("walk_t", torch.zeros(num_nodes, dtype=torch.float64))
         # `_queue`, per forward pass: (events in it, its sources' and destinations' walk rows)
-        self._slot_row: torch.Tensor | None = None
 
     def embed(self, ids, ts, blocks):
         raise ValueError("tpnet scores a pair from both endpoints: a node has no embedding alone")
@@ -114,67 +114,75 @@ class TPNet(TableStateModel):
                              f"gave {k} (sampler.fanouts)")  # fmt: skip
         with torch.no_grad():  # the rows the events' contributions come from (`take_updates`)
             self._queue.append((b, self.rows(src, t), self.rows(dst, t)))
-        row = (block.root_index if block.root_index is not None
-               else torch.arange(2 * b + b * q, device=src.device))  # fmt: skip
-        left = torch.cat([row[:b], row[:b].repeat_interleave(q)])
-        right = torch.cat([row[b : 2 * b], row[2 * b :]])
-        self._slot_row = None  # (built by `_edge_inputs` once a forward pass)
-        logits = torch.cat([self._pairs(block, left[lo : lo + self.pair_chunk],
-                                        right[lo : lo + self.pair_chunk])
-                            for lo in range(0, left.numel(), self.pair_chunk)])  # fmt: skip
-        return logits[:b], logits[b:].view(b, q)
+        slot_row = self._slot_rows(block)
+        pairs = lambda left, right: self._pairs(block, slot_row, left, right)  # noqa: E731
+        return pairwise_scores(block, b, q, self.pair_chunk, pairs)
 
-    def _pairs(self, block, left, right):
-        """Logits [P] of the pairs of block rows (`left`, `right`); walk rows are read here,
-        a chunk at a time (no parameters: no gradient flows into the node state)."""
+    def _slot_rows(self, block) -> torch.Tensor | None:
+        """The edge-feature row of each block slot [R, L] (-1 where masked), or None where the
+        model takes no edge features or none were fetched."""
+        if not self.edge_dim or block.edge_feat is None:
+            return None
+        index = block.valid_index
+        slot = torch.full((block.nbr_ids.numel(),), -1, dtype=torch.int64, device=index.device)
+        slot.index_copy_(0, index, torch.arange(index.numel(), device=index.device))
+        return slot.view(block.nbr_ids.shape)
+
+    def _pairs(self, block, slot_row, left, right):
+        """Logits [P] of the pairs of block rows (`left`, `right`). Walk rows are read a
+        chunk at a time, each distinct row of the chunk once (a positive's source is the left
+        row of all its negatives' pairs); no parameters, so no gradient flows into the node
+        state."""
+        rows_l, inv_l = torch.unique(left, return_inverse=True)
+        rows_r, inv_r = torch.unique(right, return_inverse=True)
         with torch.no_grad():
-            w_left = self.rows(block.dst_ids[left], block.dst_ts[left])
-            w_right = self.rows(block.dst_ids[right], block.dst_ts[right])
-        z_left = self._side(block, left, w_left, w_right)
-        z_right = self._side(block, right, w_right, w_left)
+            w_l = self.rows(block.dst_ids[rows_l], block.dst_ts[rows_l])
+            w_r = self.rows(block.dst_ids[rows_r], block.dst_ts[rows_r])
+            w_left, w_right = w_l[inv_l], w_r[inv_r]
+        z_left = self._side(block, slot_row, rows_l, inv_l, w_l, w_right)
+        z_right = self._side(block, slot_row, rows_r, inv_r, w_r, w_left)
         pair = signed_log(torch.bmm(w_left, w_right.transpose(1, 2)).flatten(1))
         h = torch.cat([z_left, z_right, self.pair_in(pair.to(z_left))], 1)
         return self.head(h).squeeze(1)
 
-    def _side(self, block, own, w_own, w_other):
-        """[P, D]: the `own` rows' neighbour tokens, each with the walk features of the
-        neighbour and the row's node (`w_own`) and its partner (`w_other`), averaged."""
-        p, k = own.numel(), self.tokens
-        mask = block.mask[own]
+    def _side(self, block, slot_row, rows, inv, w_rows, w_other):
+        """[P, D]: each pair's own block row (`rows[inv]`) with its neighbour tokens, each the
+        walk features of the neighbour with the row's node (`w_rows`, a distinct row's) and
+        with the pair's partner (`w_other`, a pair's), its age's time encoding and edge
+        features, through the token MLP and averaged. The neighbours' walk rows, and their
+        features with the row's node, are computed once a distinct row."""
+        u, k = rows.numel(), self.tokens
+        mask_u = block.mask[rows]
         with torch.no_grad():
-            valid = mask.flatten().nonzero().squeeze(1)  # only valid slots hold node ids
-            ids = block.nbr_ids[own].flatten().index_select(0, valid)
-            ts = block.dst_ts[own].repeat_interleave(k).index_select(0, valid)
-            seq = w_own.new_zeros(p * k, self.levels + 1, self.walk_dim)
+            valid = mask_u.flatten().nonzero().squeeze(1)  # only valid slots hold node ids
+            ids = block.nbr_ids[rows].flatten().index_select(0, valid)
+            ts = block.dst_ts[rows].repeat_interleave(k).index_select(0, valid)
+            seq = w_rows.new_zeros(u * k, self.levels + 1, self.walk_dim)
             seq = seq.index_copy(0, valid, self.rows(ids, ts))
-            seq = seq.view(p, k * (self.levels + 1), -1)  # [P, L (K + 1), d]
-            with_own = torch.bmm(seq, w_own.transpose(1, 2)).view(p, k, -1)
-            with_other = torch.bmm(seq, w_other.transpose(1, 2)).view(p, k, -1)
-        dtype = self.token_in.weight.dtype
+            seq = seq.view(u, k * (self.levels + 1), -1)  # [U, L (K + 1), d]
+            p = inv.numel()
+            with_own = torch.bmm(seq, w_rows.transpose(1, 2)).view(u, k, -1)[inv]
+            with_other = torch.bmm(seq[inv], w_other.transpose(1, 2)).view(p, k, -1)
+        dtype, own, mask = self.token_in.weight.dtype, rows[inv], mask_u[inv]
         parts = [signed_log(torch.cat([with_own, with_other], 2)).to(dtype),
                  self.time_enc(block.dt[own].masked_fill(~mask, 0)).to(dtype)]  # fmt: skip
         if self.edge_dim:
-            parts.append(self._edge_inputs(block, own, dtype))
+            parts.append(self._edge_inputs(block, slot_row, own, dtype))
         x = self.token_mlp(self.token_in(torch.cat(parts, 2)))
         m = mask.unsqueeze(2).to(dtype)
         return (x * m).sum(1) / m.sum(1).clamp(min=1)
 
-    def _edge_inputs(self, block, own, dtype):
+    def _edge_inputs(self, block, slot_row, own, dtype):
         """Edge features [P, L, De] of the `own` rows' slots (masked slots, or none fetched:
         zero), gathered for these rows only."""
-        r, k = block.nbr_ids.shape
+        k = self.tokens
         out = torch.zeros(own.numel() * k, self.edge_dim, dtype=dtype, device=own.device)
-        if block.edge_feat is None:
-            return out.view(-1, k, self.edge_dim)
-        if self._slot_row is None:  # feature row of each slot, -1 where masked
-            slot = torch.full((r * k,), -1, dtype=torch.int64, device=own.device)
-            self._slot_row = slot.index_copy(0, block.valid_index,
-                                             torch.arange(block.valid_index.numel(),
-                                                          device=own.device))  # fmt: skip
-        rows = self._slot_row.view(r, k)[own].flatten()
-        have = (rows >= 0).nonzero().squeeze(1)
-        feat = block.edge_feat.index_select(0, rows.index_select(0, have)).to(out)
-        return out.index_copy(0, have, feat).view(-1, k, self.edge_dim)
+        if slot_row is not None:
+            rows = slot_row[own].flatten()
+            have = (rows >= 0).nonzero().squeeze(1)
+            feat = block.edge_feat.index_select(0, rows.index_select(0, have)).to(out)
+            out = out.index_copy(0, have, feat)
+        return out.view(-1, k, self.edge_dim)
 
     # ---- node state -------------------------------------------------------------------------
 
