@@ -948,6 +948,7 @@ JOB_ARGS = [
     "--config", "@config", "--model", "apan", "--dataset", "@mixed.csv", "--format", "csv",
     "--columns", "src=src,dst=dst,time=time,label=label", "--header", "--features", "a,b,c",
     "--string-ids", "--quarantine", "@quarantine", "--max-events", "900", "--increments", "2",
+    "--eval-protocol", "tgb", "--eval-negatives", "20", "--eval-prefix", "60",
     "--replay", "importance", "--epochs", "1", "--seed", "3", "--threads", "1",
     "--device", "cpu", "--checkpoint-every", "2", "--keep-checkpoints", "1", "--debug",
     "--memory", "sharded", "--timeline", "2",
@@ -1041,6 +1042,12 @@ def test_job_flags_give_the_same_run_on_both_backends(ray_session, files, tmp_pa
         summary = outs[backend]["summary"]
         assert summary["memory_placement"] == "sharded" and summary["model"] == "apan"
         assert summary["partition"]["shard_events"] != [0, 0]
+        # TGB's protocol, continual: each increment's first 60 positives, 20 negatives each
+        assert summary["protocol"] == {"name": "tgb", "negatives": 20, "hist_ratio": 0.5,
+                                       "prefix": 60}  # fmt: skip
+        increments = [r for r in outs[backend]["records"] if r["phase"] == "increment"]
+        assert [r["positives"] for r in increments] == [60, 60]
+        assert all(0 < r["mrr"] < 1 and 0 <= r["hits@10"] <= 1 for r in increments)
     assert_same_job(outs)
     assert released("flags-ray")
 

@@ -19,7 +19,14 @@ from tgb.linkproppred.negative_generator import NegativeEdgeGenerator
 from torch_geometric.data import TemporalData
 
 from tidegraph.models.edgebank import EdgeBank
-from tidegraph.training.tgb import HistRndNegatives, edgebank_tgb, tgb_bounds, tgb_metrics
+from tidegraph.training import tgb
+from tidegraph.training.tgb import (
+    HistRndNegatives,
+    SeenPairs,
+    edgebank_tgb,
+    tgb_bounds,
+    tgb_metrics,
+)
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -105,6 +112,40 @@ def test_hist_rnd_negatives_follow_tgbs_generator(tmp_path, n_dst, k, some_force
         assert valid[i, len(ours) :].sum() == 0 and valid[i, : len(ours)].all()  # padded at the end
     assert forced + free == len(pos[0])
     assert (forced > 0, free > 0) == (some_forced, some_free)
+
+
+def test_a_draws_first_rows_are_the_whole_draws(monkeypatch):
+    """`sample(..., rows=m)` (a continual increment's scored prefix) gives the first m rows
+    of the whole draw, whatever the chunk they fall in."""
+    src, dst, t = stream(700, 30, 5, 40, seed=4)
+    monkeypatch.setattr(tgb, "_CHUNK_ELEMENTS", 40 * 64)  # chunks of 64 positives
+    sampler = HistRndNegatives(src[:400], dst[:400], 5, 44, 20, 0.5, seed=9)
+    whole = sampler.sample(src[400:], dst[400:], t[400:])
+    for m in (0, 1, 63, 64, 65, 200, 300, 1000):
+        part = sampler.sample(src[400:], dst[400:], t[400:], rows=m)
+        assert torch.equal(part[0], whole[0][:m]) and torch.equal(part[1], whole[1][:m]), m
+
+
+def test_seen_pairs_give_the_sampler_of_their_events():
+    """A history kept as distinct pairs, added block by block, draws what the history's
+    events draw; its range takes in the block's destinations; its state round-trips."""
+    src, dst, t = stream(900, 30, 5, 60, seed=6)
+    seen = SeenPairs()
+    for lo in range(0, 600, 150):
+        seen.add(src[lo : lo + 150], dst[lo : lo + 150])
+    block = slice(600, 900)
+    first, last = int(dst.min()), int(dst.max())
+    want = HistRndNegatives(src[:600], dst[:600], first, last, 25, 0.5, seed=2)
+    got = seen.negatives(dst[block], 25, 0.5, seed=2)
+    assert (got.first, got.range) == (want.first, want.range)
+    for a, b in zip(got.sample(src[block], dst[block], t[block]),
+                    want.sample(src[block], dst[block], t[block]), strict=True):  # fmt: skip
+        assert torch.equal(a, b)
+    other = SeenPairs()
+    other.load_state_dict(seen.state_dict())
+    assert torch.equal(other.keys, seen.keys) and other.last_dst == seen.last_dst
+    empty = SeenPairs().negatives(dst[block], 25, 0.5, seed=2)  # no history: all random
+    assert empty.seen_src.numel() == 0 and empty.first == int(dst[block].min())
 
 
 def test_mrr_and_hits_equal_tgbs_evaluator():

@@ -420,6 +420,7 @@ def summary_lines(run: Run, html: str | None, bottleneck_line: str | None = None
             f"{last['auc']:.4f}  MRR {last['mrr']:.4f}  old AP {last['old_ap']:.4f}",
             f"  mean over increments: AP {_mean(r['ap'] for r in inc):.4f}  AUC "
             f"{_mean(r['auc'] for r in inc):.4f}  MRR {_mean(r['mrr'] for r in inc):.4f}",
+            *_tgb_lines(cfg, inc),
             f"  forgetting: {_forgetting(s)}",
             f"  events/s: train {_mean(r['train_events_per_s'] for r in inc):,.0f}, eval "
             f"{_mean(r['eval_events_per_s'] for r in inc):,.0f} (mean over increments)",
@@ -442,6 +443,18 @@ def _cache_line(inc: list[dict]) -> str:
     if not any(r.get("edge_cache_capacity", 1) for r in rows):
         return "a pass-through (capacity 0: it caches on CUDA)"
     return f"hit rate {rows[-1]['edge_cache_hit_rate']:.3f} (cumulative, end of run)"
+
+
+def _tgb_lines(cfg: dict, inc: list[dict]) -> list[str]:
+    """Under TGB's protocol: what the MRR above is, and Hits@k (last and mean)."""
+    e = cfg.get("eval") or {}
+    if e.get("protocol") != "tgb":
+        return []
+    hits = f"hits@{e.get('hits_k', 10)}"
+    return [f"  MRR by TGB's protocol: {e.get('negatives', '?')} hist_rnd negatives a positive, "
+            f"{_mean(r.get('positives') for r in inc):,.0f} positives an increment (mean); "
+            f"{hits.capitalize()} {inc[-1].get(hits, float('nan')):.4f} final, "
+            f"{_mean(r.get(hits) for r in inc):.4f} mean"]  # fmt: skip
 
 
 def _forgetting(summary: dict) -> str:

@@ -71,12 +71,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--replay", help="uniform or importance")
     p.add_argument("--mode", help="continual (default) or offline (70/15/15)")
     p.add_argument("--epochs", type=int, help="phase-1 (or offline) epochs")
-    p.add_argument("--eval-protocol", help="offline evaluation: sampled (default) or tgb (the "
-                   "Temporal Graph Benchmark's split, hist_rnd negatives and MRR)")  # fmt: skip
+    p.add_argument("--eval-protocol", help="sampled (default) or tgb (the Temporal Graph "
+                   "Benchmark's hist_rnd negatives and MRR; offline: its split too)")  # fmt: skip
     p.add_argument("--eval-negatives", type=int,
                    help="tgb: negatives a positive (default 999, TGB's tgbl-wiki)")  # fmt: skip
     p.add_argument("--eval-prefix", type=int,
-                   help="tgb: score the first N positives of each split (0: all)")  # fmt: skip
+                   help="tgb: score the first N positives of each split or increment "
+                   "(0: all)")  # fmt: skip
     p.add_argument("--out", help="the run directory itself (instead of STORAGE/RUN_NAME)")
     p.add_argument("--storage", help="where run directories live: a path or s3://, gs:// URI")
     p.add_argument("--resume", action="store_true", help="continue the run named --run-name")

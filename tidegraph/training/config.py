@@ -147,15 +147,16 @@ EVAL_PROTOCOLS = ("sampled", "tgb")
 class EvalConfig:
     """How link prediction is evaluated. "sampled": `train.eval_negatives` uniform negatives a
     positive. "tgb": the Temporal Graph Benchmark's protocol (`tidegraph.training.tgb`): its
-    time split (0.70 / 0.85 quantiles), `negatives` of its hist_rnd rule a positive, MRR by its
-    rank rule and Hits@`hits_k` (offline mode)."""
+    time split (0.70 / 0.85 quantiles, offline mode), `negatives` of its hist_rnd rule a
+    positive, MRR by its rank rule and Hits@`hits_k`. In continual mode each increment (and
+    phase 1's validation) is scored so, its history every event learned before it."""
 
     protocol: str = "sampled"
     negatives: int = 999  # tgb: a positive's negatives (TGB's tgbl-wiki: 999, every other item)
     hist_ratio: float = 0.5  # tgb: at most this share of them from the source's history
     hits_k: int = 10
-    # tgb: the first `prefix` positives of validation and of test are scored (0: all); the
-    # rest of validation is still recorded in node state, so test starts where it would
+    # tgb: the first `prefix` positives of validation and of test (continual: of each
+    # increment) are scored (0: all); the rest is still recorded in node state
     prefix: int = 0
     # tgb: score validation after every epoch (False: after the last only; 999 negatives a
     # positive make it as costly as training, and it selects nothing)
@@ -464,9 +465,6 @@ class RunConfig:
         a, b = self.offline_split
         if not (0 < a and 0 <= b and a + b < 1):
             raise ValueError(f"offline_split must be (train, val) with train + val < 1, got {a, b}")
-        if self.eval.protocol == "tgb" and self.mode != "offline":
-            raise ValueError("eval.protocol 'tgb' evaluates offline runs (--mode offline): "
-                             "continual increments use the sampled protocol")  # fmt: skip
         if self.checkpoint_every < 1:
             raise ValueError(f"checkpoint_every must be >= 1, got {self.checkpoint_every}")
         if self.keep_checkpoints < 1:

@@ -56,6 +56,7 @@ from tidegraph.training.progress import begin_pass, close_pass_bar, pass_bar
 from tidegraph.training.records import RecordLog, cluster_record
 from tidegraph.training.sampling import NegativeSampler, build_replay, node_degree
 from tidegraph.training.schedule import Cursor, Schedule, Unit
+from tidegraph.training.tgb import SeenPairs, rank_metrics, tgb_ranks
 
 __all__ = ["ContinualLearner"]
 
@@ -107,6 +108,11 @@ class ContinualLearner:
         self.forget_gen = seed_stream(seed, "forgetting")
         t = config.train
         self.train_negatives, self.eval_negatives = t.train_negatives, t.eval_negatives
+        # eval.protocol tgb: the distinct pairs learned so far (an increment's history), and
+        # the block under evaluation's hist_rnd negatives (drawn again after a load)
+        self.tgb = config.eval.protocol == "tgb"
+        self.tgb_seen = SeenPairs()
+        self._tgb_draw: tuple | None = None
         times = self.stream.spool if self.stream.spool is not None else self.events.t
         self.schedule = Schedule(times, config.continual, t.batch_size, t.epochs, live)
         self.val_start, self.phase1_end = self.schedule.val_start, self.schedule.phase1_end
@@ -266,14 +272,78 @@ class ContinualLearner:
 
     def _unit_eval(self, u: Unit, ps: dict) -> None:
         begin_pass(ps, self.schedule, self.cursor.unit, u, self.config.progress)
-        p, n = self._eval_batch(self._events(u.lo, u.hi), observe=True)
-        ps["pos"].append(p)
-        ps["neg"].append(n)
+        ev, neg = self._eval_inputs(u)
+        with self.group.tracer.span("evaluation", events=len(ev)):
+            p, n = self.group.eval_step(ev, neg, True)
+        self._eval_scores(u, p, n, ps)
         pass_bar(ps, u.hi - u.lo)
+
+    def _eval_inputs(self, u: Unit) -> tuple[EventBatch, torch.Tensor]:
+        """(events, negatives) of evaluation unit `u`: `eval_negatives` uniform ones a
+        positive, or under TGB's protocol its block's hist_rnd row (a positive past
+        `eval.prefix` is recorded, not scored: its own destination as its one negative)."""
+        ev = self._events(u.lo, u.hi)
+        if not self.tgb:
+            return ev, self.negatives.sample(len(ev), self.eval_negatives)
+        start = self._eval_block(u)[0]
+        neg, _ = self._tgb_negatives(u)
+        a, b = u.lo - start, min(u.hi - start, neg.shape[0])
+        if a >= b:
+            return ev, ev.dst.unsqueeze(1).clone()
+        out = ev.dst.unsqueeze(1).repeat(1, neg.shape[1])
+        out[: b - a] = neg[a:b]
+        return ev, out
+
+    def _eval_scores(self, u: Unit, p: torch.Tensor, n: torch.Tensor, ps: dict) -> None:
+        """Evaluation unit `u`'s scores into the pass state: all of them, or under TGB's
+        protocol its scored positives' ranks (and their first negatives, for AP and AUC)."""
+        if not self.tgb:
+            ps["pos"].append(p)
+            ps["neg"].append(n)
+            return
+        start = self._eval_block(u)[0]
+        neg, valid = self._tgb_negatives(u)
+        a = u.lo - start
+        m = max(0, min(u.hi - start, neg.shape[0]) - a)
+        if m:
+            ps["pos"].append(p[:m])
+            ps["neg"].append(n[:m, :1])
+            ps.setdefault("rank", []).append(tgb_ranks(p[:m], n[:m], valid[a : a + m]))
+
+    def _eval_block(self, u: Unit) -> tuple[int, int]:
+        """The events [lo, hi) that evaluation unit `u`'s pass evaluates."""
+        return (self.val_start, self.phase1_end) if u.increment < 0 else self.bounds[u.increment]
+
+    def _tgb_negatives(self, u: Unit) -> tuple[torch.Tensor, torch.Tensor]:
+        """(negatives, valid) of the scored positives (the first `eval.prefix`; 0: all) of
+        unit `u`'s block, by TGB's hist_rnd rule: history every event learned before the block
+        (phase 1's validation: phase 1's training part), destination range the history's and
+        the block's, seed `seed_for(seed, "tgb negatives", 0 for phase 1, k + 1 for increment
+        k)`. Drawn once a block (a pure function of the run's state when the block starts)."""
+        block = self._eval_block(u)
+        if self._tgb_draw is None or self._tgb_draw[0] != block:
+            start, end = block
+            e = self.config.eval
+            scored = end - start if e.prefix == 0 else min(end - start, e.prefix)
+            seen = self.tgb_seen
+            if u.increment < 0:
+                seen = SeenPairs()
+                for lo, hi in self._windows(0, self.val_start):
+                    ev = self._events(lo, hi)
+                    seen.add(ev.src, ev.dst)
+            ev = self._events(start, end)
+            seed = seed_for(self.config.seed, "tgb negatives", u.increment + 1)
+            sampler = seen.negatives(ev.dst, e.negatives, e.hist_ratio, seed)
+            self._tgb_draw = (block, *sampler.sample(ev.src, ev.dst, ev.t, rows=scored))
+        return self._tgb_draw[1], self._tgb_draw[2]
 
     def _unit_eval_end(self, u: Unit, ps: dict) -> None:
         close_pass_bar(ps, u.hi - u.lo)
+        ranks = ps.pop("rank", [])
         metrics = link_metrics(torch.cat(ps.pop("pos")), torch.cat(ps.pop("neg")))
+        if self.tgb:  # MRR and Hits@k by TGB's rank rule, of the scored positives
+            rank = torch.cat(ranks)
+            metrics.update(rank_metrics(rank, self.config.eval.hits_k), positives=rank.numel())
         if u.increment < 0:
             log.info("phase 1 epoch %d: loss %.4f val %s", u.epoch + 1, ps["loss"], _fmt(metrics))
             ps["record"].update(
@@ -311,7 +381,7 @@ class ContinualLearner:
     def _unit_phase_end(self, u: Unit, ps: dict) -> dict:
         record = ps.pop("record")
         for lo, hi in self._windows(0, self.phase1_end):
-            self.history_events.learned(self._events(lo, hi))
+            self._learned(self._events(lo, hi))
         self.cursor.phase1_done = True
         self.history_events.forget()
         self._log(record)
@@ -340,12 +410,18 @@ class ContinualLearner:
             for key in ("hit_rate", "bytes_h2d", "lookup_seconds", "capacity"):
                 record[f"edge_cache_{key}"] = stats[key]
         for lo, hi in self._windows(start, end):
-            self.history_events.learned(self._events(lo, hi))
+            self._learned(self._events(lo, hi))
         self.cursor.increment += 1
         self.history_events.forget()
         ps.clear()
         self._log(record)
         return record
+
+    def _learned(self, ev: EventBatch) -> None:
+        """Events of a block just learned: old from now on (and TGB's history)."""
+        self.history_events.learned(ev)
+        if self.tgb:
+            self.tgb_seen.add(ev.src, ev.dst)
 
     def append(self, events: EventBatch) -> None:
         """Events that arrived on a live stream: the next increment (eids continue the
@@ -399,7 +475,13 @@ class ContinualLearner:
         out["comm"] = comm_record(self.config.comm, self.group.comm_state())
         out["partition"] = self.group.partition(self.tally)
         if inc:
-            for key in ("ap", "auc", "mrr", "old_ap"):
+            keys = ["ap", "auc", "mrr", "old_ap"]
+            if self.tgb:  # MRR above is TGB's; its Hits@k too
+                e = self.config.eval
+                keys.append(f"hits@{e.hits_k}")
+                out["protocol"] = {"name": "tgb", "negatives": e.negatives,
+                                   "hist_ratio": e.hist_ratio, "prefix": e.prefix}  # fmt: skip
+            for key in keys:
                 out[key] = sum(r[key] for r in inc) / len(inc)
             saved = self.negatives.generator.get_state(), self.forget_gen.get_state()
             samplers = self.group.sampler_states()
@@ -448,6 +530,7 @@ class ContinualLearner:
             "slot_precision": self.slot_precision,
             "idmap": self.stream.idmap.state_dict(),  # external -> dense node ids
             "old_events": self.history_events.state_dict(store),
+            "tgb_seen": self.tgb_seen.state_dict(),  # empty unless eval.protocol is tgb
             # the pass under way (not its progress bar; wall-clock stamps restart on load)
             "pass": {k: _resolved(v) for k, v in self.pass_state.items() if k != "bar"},
         }
@@ -464,6 +547,9 @@ class ContinualLearner:
             self.schedule.rebatch(unit, batch)
         if "idmap" in state:  # the checkpoint's map, bitwise (a rebuilt stream's is the same)
             self.stream.idmap = IdMap.from_state(state["idmap"])
+        if "tgb_seen" in state:
+            self.tgb_seen.load_state_dict(state["tgb_seen"])
+        self._tgb_draw = None
         if "old_events" in state:
             self.history_events.load_state_dict(state["old_events"])
         else:  # a checkpoint from before the reservoir: counted again from the events

@@ -34,16 +34,12 @@ def run_pass(learner, first: Unit) -> None:
                 ps["loss_events"] += len(ev)
                 learner.cursor.step += 1
         else:
-            batches = []
-            for u in todo:
-                ev = learner._events(u.lo, u.hi)
-                batches.append((ev, learner.negatives.sample(len(ev), learner.eval_negatives)))
+            batches = [learner._eval_inputs(u) for u in todo]
             progress = steps_shown(lambda i, b=batches: pass_bar(ps, len(b[i][0])))
             with group.tracer.span("evaluation", steps=len(batches)):
                 scores = group.eval_pass(batches, True, progress)
-            for p, n in scores:
-                ps["pos"].append(p)
-                ps["neg"].append(n)
+            for u, (p, n) in zip(todo, scores, strict=True):
+                learner._eval_scores(u, p, n, ps)
         progress(len(todo))
     learner.cursor.unit = at + first.parts
 

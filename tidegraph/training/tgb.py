@@ -27,7 +27,16 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["TGB_QUANTILES", "HistRndNegatives", "edgebank_tgb", "tgb_bounds", "tgb_metrics"]
+__all__ = [
+    "TGB_QUANTILES",
+    "HistRndNegatives",
+    "SeenPairs",
+    "edgebank_tgb",
+    "rank_metrics",
+    "tgb_bounds",
+    "tgb_metrics",
+    "tgb_ranks",
+]
 
 TGB_QUANTILES = (0.70, 0.85)  # TGB's val_ratio = test_ratio = 0.15
 # a chunk of positives draws at most this many keys at once (rows x destination range)
@@ -46,18 +55,30 @@ def tgb_bounds(t: torch.Tensor) -> tuple[int, int]:
     return int(np.searchsorted(ts, val_time, "right")), int(np.searchsorted(ts, test_time, "right"))
 
 
+def tgb_ranks(
+    pos: torch.Tensor, neg_PK: torch.Tensor, valid_PK: torch.Tensor | None = None
+) -> torch.Tensor:
+    """TGB's rank [P] (float64) of each positive `pos` [P] among its negatives' scores
+    `neg_PK` [P, K] (`valid_PK`: which of them count; None: all): 1 + #above + half #tied."""
+    pos = pos.detach().double().cpu().unsqueeze(1)
+    neg = neg_PK.detach().double().cpu()
+    valid = torch.ones_like(neg, dtype=torch.bool) if valid_PK is None else valid_PK.cpu()
+    return 1 + ((neg > pos) & valid).sum(1) + 0.5 * ((neg == pos) & valid).sum(1)
+
+
+def rank_metrics(rank: torch.Tensor, k: int = 10) -> dict[str, float]:
+    """MRR and Hits@k of positives of TGB ranks `rank` [P]."""
+    if rank.numel() == 0:
+        return {"mrr": float("nan"), f"hits@{k}": float("nan")}
+    return {"mrr": float((1.0 / rank).mean()), f"hits@{k}": float((rank <= k).double().mean())}
+
+
 def tgb_metrics(
     pos: torch.Tensor, neg_PK: torch.Tensor, valid_PK: torch.Tensor | None = None, k: int = 10
 ) -> dict[str, float]:
     """MRR and Hits@k of positives `pos` [P] against their negatives' scores `neg_PK` [P, K]
     (`valid_PK`: which of them count; None: all)."""
-    pos = pos.detach().double().cpu().unsqueeze(1)
-    neg = neg_PK.detach().double().cpu()
-    valid = torch.ones_like(neg, dtype=torch.bool) if valid_PK is None else valid_PK.cpu()
-    rank = 1 + ((neg > pos) & valid).sum(1) + 0.5 * ((neg == pos) & valid).sum(1)
-    if rank.numel() == 0:
-        return {"mrr": float("nan"), f"hits@{k}": float("nan")}
-    return {"mrr": float((1.0 / rank).mean()), f"hits@{k}": float((rank <= k).double().mean())}
+    return rank_metrics(tgb_ranks(pos, neg_PK, valid_PK), k)
 
 
 def _pair_keys(a: torch.Tensor, b: torch.Tensor, width: int) -> torch.Tensor:
@@ -101,11 +122,12 @@ class HistRndNegatives:
         self.seen_src, self.seen_dst = pairs // width, pairs % width  # dst relative to first
 
     def sample(
-        self, src: torch.Tensor, dst: torch.Tensor, t: torch.Tensor
+        self, src: torch.Tensor, dst: torch.Tensor, t: torch.Tensor, rows: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(negatives [P, k], valid [P, k]) for the positives (src, dst, t) of a split (the
         split whole: a positive's excluded destinations are its split's positives of the same
-        source and time). Draws chunk by chunk of positives, in order, from one generator."""
+        source and time). Draws chunk by chunk of positives, in order, from one generator.
+        `rows`: only the first `rows` positives' (the same rows as a whole draw's)."""
         src, dst = src.cpu().to(torch.int64), dst.cpu().to(torch.int64)
         t = t.cpu().double()
         if bool(((dst < self.first) | (dst >= self.first + self.range)).any()):
@@ -120,15 +142,17 @@ class HistRndNegatives:
         g_start = torch.cumsum(g_count, 0) - g_count
         g_dst = dst[order] - self.first
         generator = torch.Generator().manual_seed(self.seed)
-        neg = torch.empty(n, self.k, dtype=torch.int64)
-        valid = torch.zeros(n, self.k, dtype=torch.bool)
-        rows = max(1, _CHUNK_ELEMENTS // self.range)
-        for lo in range(0, n, rows):
-            hi = min(n, lo + rows)
+        wanted = n if rows is None else min(n, max(0, int(rows)))
+        chunk = max(1, _CHUNK_ELEMENTS // self.range)
+        drawn = min(n, -(-wanted // chunk) * chunk)  # whole chunks: their draws stay the same
+        neg = torch.empty(drawn, self.k, dtype=torch.int64)
+        valid = torch.zeros(drawn, self.k, dtype=torch.bool)
+        for lo in range(0, drawn, chunk):
+            hi = min(n, lo + chunk)
             neg[lo:hi], valid[lo:hi] = self._chunk(
                 src[lo:hi], dst[lo:hi], group[lo:hi], g_start, g_count, g_dst, generator
             )
-        return neg, valid
+        return neg[:wanted], valid[:wanted]
 
     def _chunk(self, src, dst, group, g_start, g_count, g_dst, generator):
         m, R, k = src.numel(), self.range, self.k
@@ -188,6 +212,43 @@ class HistRndNegatives:
         neg[r_row, r_col] = rand_d[use] + self.first
         valid[r_row, r_col] = True
         return neg, valid
+
+
+class SeenPairs:
+    """The distinct (source, destination) pairs of a growing history and its destination id
+    range, for `HistRndNegatives` in continual runs (the history of an increment: every
+    event before it). Its memory is the graph's distinct pairs, not its events."""
+
+    def __init__(self) -> None:
+        self.keys = torch.empty(0, dtype=torch.int64)  # source << 32 | destination, sorted
+        self.first_dst, self.last_dst = None, None
+
+    def add(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        if src.numel() == 0:
+            return
+        src, dst = src.cpu().to(torch.int64), dst.cpu().to(torch.int64)
+        self.keys = torch.unique(torch.cat([self.keys, (src << 32) | dst]))
+        lo, hi = int(dst.min()), int(dst.max())
+        self.first_dst = lo if self.first_dst is None else min(self.first_dst, lo)
+        self.last_dst = hi if self.last_dst is None else max(self.last_dst, hi)
+
+    def negatives(self, block_dst: torch.Tensor, k: int, hist_ratio: float,
+                  seed: int) -> HistRndNegatives:  # fmt: skip
+        """The hist_rnd sampler of a block of positives whose destinations are `block_dst`:
+        history these pairs, destination range theirs and the block's."""
+        lo, hi = int(block_dst.min()), int(block_dst.max())
+        if self.first_dst is not None:
+            lo, hi = min(lo, self.first_dst), max(hi, self.last_dst)
+        return HistRndNegatives(self.keys >> 32, self.keys & 0xFFFFFFFF, lo, hi, k, hist_ratio,
+                                seed)  # fmt: skip
+
+    def state_dict(self) -> dict:
+        return {"keys": self.keys.clone(), "first_dst": self.first_dst,
+                "last_dst": self.last_dst}  # fmt: skip
+
+    def load_state_dict(self, state: dict) -> None:
+        self.keys = state["keys"].to("cpu", torch.int64).clone()
+        self.first_dst, self.last_dst = state["first_dst"], state["last_dst"]
 
 
 def edgebank_tgb(
