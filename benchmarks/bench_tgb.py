@@ -8,6 +8,13 @@ test MRR and Hits@10, train seconds an epoch and evaluation seconds per 1,000 po
 Models are scored on the first `--prefix` positives of validation and test (the same for every
 model; 0: all), EdgeBank on every positive and on the prefix. One thread, local backend, one
 trainer and one shard: the figures are one process's, as the leaderboard's are.
+
+    python benchmarks/bench_tgb.py --continual [--negatives 999] [--prefix 2000] [-- JOB FLAGS]
+
+runs the default job (continual, the default backend) with `--eval-protocol tgb`, and prints
+each increment's MRR and Hits@10 (its first `--prefix` positives) beside EdgeBank's on the same
+negatives (memory every event before the increment, recorded batch by batch after scoring, as
+TGB's EdgeBank runs).
 """
 
 from __future__ import annotations
@@ -15,19 +22,24 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
+import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tidegraph.models.edgebank import EdgeBank  # noqa: E402
 from tidegraph.rng import seed_for  # noqa: E402
 from tidegraph.training.config import RunConfig  # noqa: E402
+from tidegraph.training.continual import ContinualLearner  # noqa: E402
 from tidegraph.training.data import load_stream  # noqa: E402
 from tidegraph.training.offline import run_offline  # noqa: E402
-from tidegraph.training.tgb import edgebank_tgb  # noqa: E402
+from tidegraph.training.tgb import HistRndNegatives, edgebank_tgb, tgb_metrics  # noqa: E402
 
 
 def edgebank_rows(stream, args, seed: int) -> list[dict]:
@@ -61,6 +73,57 @@ def model_row(stream, args, model: str, seed: int) -> dict:
             "seconds": time.perf_counter() - t0}  # fmt: skip
 
 
+def continual_rows(args, job_flags: list[str]) -> list[dict]:
+    """The default job under TGB's protocol, per increment, beside EdgeBank on its negatives."""
+    out = Path(tempfile.mkdtemp(prefix="tgb-continual-"))
+    cmd = [sys.executable, "-m", "tidegraph.jobs.train", "--eval-protocol", "tgb",
+           "--eval-negatives", str(args.negatives), "--eval-prefix", str(args.prefix),
+           "--no-progress", "--out", str(out), *job_flags]  # fmt: skip
+    t0 = time.perf_counter()
+    subprocess.run(cmd, check=True)
+    seconds = time.perf_counter() - t0
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    increments = [r for r in records if r.get("phase") == "increment"]
+    raw = yaml.safe_load((out / "config.yaml").read_text())
+    raw["cluster"] = {"backend": "local", "trainers": 1, "shards": 1}
+    raw["out_dir"] = None
+    config = RunConfig.from_dict(raw)
+    learner = ContinualLearner(config)  # the run's stream and increments (nothing trained)
+    ev, e = learner.events, config.eval
+    banks = {mode: EdgeBank(learner.stream.num_nodes, ev.src[: learner.phase1_end],
+                            ev.dst[: learner.phase1_end], ev.t[: learner.phase1_end], mode)
+             for mode in ("unlimited", "window")}  # fmt: skip
+    rows = []
+    for k, (lo, hi) in enumerate(learner.bounds):
+        sampler = HistRndNegatives(ev.src[:lo], ev.dst[:lo], int(ev.dst[:hi].min()),
+                                   int(ev.dst[:hi].max()), e.negatives, e.hist_ratio,
+                                   seed_for(config.seed, "tgb negatives", k + 1))  # fmt: skip
+        scored = hi - lo if e.prefix == 0 else min(hi - lo, e.prefix)
+        neg, valid = sampler.sample(ev.src[lo:hi], ev.dst[lo:hi], ev.t[lo:hi], rows=scored)
+        row = {"increment": k + 1, "events": hi - lo, "positives": scored,
+               "mrr": increments[k]["mrr"], "hits@10": increments[k]["hits@10"],
+               "ap": increments[k]["ap"]}  # fmt: skip
+        for mode, bank in banks.items():
+            pos_s, neg_s = [], []
+            for a in range(lo, hi, config.train.batch_size):
+                b = min(hi, a + config.train.batch_size)
+                if a < lo + scored:
+                    top = min(b, lo + scored)
+                    s = ev.src[a:top].unsqueeze(1)
+                    pos_s.append(bank.score(s, ev.dst[a:top].unsqueeze(1)).squeeze(1))
+                    neg_s.append(bank.score(s, neg[a - lo : top - lo]))
+                bank.update(ev.src[a:b], ev.dst[a:b], ev.t[a:b])
+            m = tgb_metrics(torch.cat(pos_s), torch.cat(neg_s), valid, 10)
+            row[f"edgebank_{mode}_mrr"] = m["mrr"]
+        rows.append(row)
+    summary = json.loads((out / "summary.json").read_text())
+    rows.append({"increment": "mean", "mrr": summary["mrr"], "hits@10": summary["hits@10"],
+                 "ap": summary["ap"], "seconds": seconds, "run": str(out),
+                 **{f"edgebank_{m}_mrr": statistics.fmean(r[f"edgebank_{m}_mrr"] for r in rows)
+                    for m in banks}})  # fmt: skip
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--dataset", default="wikipedia")
@@ -72,8 +135,23 @@ def main() -> None:
     p.add_argument("--prefix", type=int, default=2000)
     p.add_argument("--max-events", type=int)
     p.add_argument("--out", default="benchmarks/out/tgb.json")
+    p.add_argument("--continual", action="store_true", help="the default job, per increment")
+    p.add_argument("job_flags", nargs="*", help="--continual: flags for the job (after --)")
     args = p.parse_args()
     torch.set_num_threads(1)
+    if args.continual:
+        rows = continual_rows(args, args.job_flags)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(rows, indent=1))
+        print(f"\ndefault job, TGB protocol, {args.negatives} negatives, first {args.prefix} "
+              f"positives an increment; {rows[-1]['seconds']:.0f} s")  # fmt: skip
+        print(f"{'increment':>9} {'MRR':>7} {'Hits@10':>7} {'EB unl.':>7} {'EB win.':>7}")
+        for r in rows:
+            print(
+                f"{r['increment']:>9} {r['mrr']:>7.4f} {r['hits@10']:>7.4f} "
+                f"{r['edgebank_unlimited_mrr']:>7.4f} {r['edgebank_window_mrr']:>7.4f}"
+            )
+        return
     stream = load_stream(args.dataset, args.max_events)
     rows = []
     for seed in args.seeds:

@@ -22,7 +22,8 @@ import pytest
 import torch
 
 from tidegraph.serving.engine import QueryError, RunSource, ServedState, evaluation_metrics
-from tidegraph.serving.protocol import parse_score, parse_topk
+from tidegraph.serving.protocol import parse_score, parse_tgb, parse_topk
+from tidegraph.training.tgb import HistRndNegatives
 
 sys.path.insert(0, str(Path(__file__).parent))
 from serving import (  # noqa: E402
@@ -56,6 +57,24 @@ def _config(case: str, tmp_path: Path):
         config.data.dataset = str(features_csv(tmp_path / "events.csv"))
         config.data.features, config.data.string_ids = "a,b", True
     return config
+
+
+def _assert_tgb_rank(served, learner, source, src, dst, ts) -> None:
+    """TGB's protocol in serving: the positive's hist_rnd negatives with every applied event
+    as history, each candidate scored as /score scores it, the rank by TGB's rule."""
+    applied = _dense(learner, source.events.read(0, served.offset))
+    keys = torch.unique((applied.src.long() << 32) | applied.dst.long())
+    assert torch.equal(served._history().keys, keys)
+    first = min(int(applied.dst.min()), int(dst[0]))
+    last = max(int(applied.dst.max()), int(dst[0]))
+    neg, valid = HistRndNegatives(applied.src, applied.dst, first, last, 30, 0.5,
+                                  seed=4).sample(src, dst, ts)  # fmt: skip
+    cand, logits, rank = served.tgb_rank(int(src[0]), int(dst[0]), float(ts[0]), 30, 4)
+    assert torch.equal(cand, torch.cat([dst, neg[0][valid[0]]])) and cand.numel() == 31
+    probs = served.score(src.expand(31), cand, ts.expand(31))
+    torch.testing.assert_close(torch.sigmoid(logits), probs, rtol=0, atol=2e-6)
+    above, tied = (logits[1:] > logits[0]).sum(), (logits[1:] == logits[0]).sum()
+    assert rank == 1 + float(above) + 0.5 * float(tied)
 
 
 def _dense(learner, ev):
@@ -155,6 +174,7 @@ def test_served_state_is_the_learners_at_its_checkpoint_and_after_the_log_grows(
     # the log's next increment applied: the learner's evaluation pass, logit for logit, and
     # its node state after it, node for node
     pos, neg = evaluate_next_increment(learner)
+    served._history()  # TGB's history, read from the log now: kept up by the catch-up
     scores = served.catch_up(max_files=1, evaluate=True)
     _assert_same_node_state(served, learner)
     torch.testing.assert_close(torch.cat([p for p, _ in scores]), pos, rtol=0, atol=2e-5)
@@ -190,6 +210,7 @@ def test_served_state_is_the_learners_at_its_checkpoint_and_after_the_log_grows(
     assert torch.equal(chunked, best)
     torch.testing.assert_close(chunked_probs, probs, rtol=0, atol=2e-6)
     served.config.train.eval_max_roots = 8192
+    _assert_tgb_rank(served, learner, source, src[:1], dst[:1], ts[:1])
     if case in ("dygformer", "tpnet"):  # pairs encoded jointly: no embedding of a node alone
         with pytest.raises(QueryError, match=f"embed: model {case} encodes each .src, dst. "
                            "pair jointly"):  # fmt: skip
@@ -225,8 +246,11 @@ def test_new_nodes_are_answered_as_new_nodes(tmp_path, placement):
 
 
 def test_queries_that_cannot_be_answered_name_the_field(tmp_path):
+    from tidegraph.serving.app import answer_topk
+
     make_run(tmp_path, "r", run_config("tgn"))
     served = ServedState(RunSource(str(tmp_path), "r"))
+    too_many = {"src": 1, "t": served.last_t, "k": 10**6, "candidates": "tgb", "dst": 8228}
     bad = [
         (lambda: parse_score({"src": [1, 2], "dst": [3], "t": 1.0}), "dst: 1 ids for 2"),
         (lambda: parse_score({"src": [1], "dst": [3]}), "t: missing"),
@@ -237,6 +261,11 @@ def test_queries_that_cannot_be_answered_name_the_field(tmp_path):
         (lambda: parse_topk({"src": 1, "t": 1.0, "k": 0}), "k: a positive integer"),
         (lambda: parse_topk({"src": [1], "t": 1.0, "k": 1}), "src: one node id"),
         (lambda: parse_topk({"src": 1, "t": 1.0, "k": 3, "candidates": [4, 4]}), "k: 3 is more"),
+        (lambda: parse_tgb({"src": 1, "t": 1.0, "k": 3}), "dst: missing"),
+        (lambda: parse_tgb({"dst": [2]}), "dst: one node id"),
+        (lambda: parse_tgb({"dst": 2, "negatives": 0}), "negatives: an integer >= 1"),
+        (lambda: parse_tgb({"dst": 2, "seed": -1}), "seed: an integer >= 0"),
+        (lambda: answer_topk(served, too_many), "k: 1000000 is more"),
         (lambda: served.nodes(["a"], "src"), "src: this run's node ids are integers"),
         (lambda: served.times(served.last_t - 1, 1), "t: "),
         (lambda: served.times(float("nan"), 1), "t: times must be finite"),
@@ -339,6 +368,17 @@ def test_a_ray_run_served_over_http_answers_as_its_learner(serve_http, tmp_path)
         assert status == 200 and sorted(answer["dst"]) == sorted(three), answer
         new = [p for d, p in zip(answer["dst"], answer["scores"], strict=True) if d >= 10**15]
         assert len(new) == 2 and new[0] == new[1]  # new nodes look alike
+        # TGB's protocol: a positive ranked against its hist_rnd negatives
+        body = {"src": src, "t": t, "k": 5, "candidates": "tgb", "dst": int(ev.dst[0]),
+                "negatives": 50}  # fmt: skip
+        status, answer = http(f"{serve_http}/topk", body)
+        assert status == 200, answer
+        s, d = served.nodes([src], "src"), served.nodes([int(ev.dst[0])], "dst")
+        cand, logits, rank = served.tgb_rank(int(s[0]), int(d[0]), t, 50, 0)
+        assert answer["rank"] == rank and answer["negatives"] == cand.numel() - 1 == 50
+        assert answer["dst"] == served.external(cand[torch.topk(logits, 5).indices])
+        status, answer = http(f"{serve_http}/topk", {**body, "dst": 10**15})
+        assert status == 400 and answer["error"].startswith("dst: a node the run has not seen")
 
         # a time in milliseconds (the stream's are seconds), a gap of 1e15 and the largest
         # float: finite answers, as from the in-process state

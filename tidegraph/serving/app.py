@@ -9,7 +9,10 @@ state it started with, so none is dropped or fails during a swap.
 Routes (JSON; ids are the stream's external ids):
 - `POST /score` `{"src": [...], "dst": [...], "t": [...] | number}` -> `{"scores": [...]}`;
 - `POST /topk` `{"src": id, "t": number, "k": int, "candidates": [...]?}` -> `{"dst": [...],
-  "scores": [...]}` (default candidates: every destination seen);
+  "scores": [...]}` (default candidates: every destination seen); with `"candidates": "tgb",
+  "dst": id, "negatives": n?, "seed": s?`, TGB's protocol for the positive (src, dst, t): the
+  candidates are dst and its hist_rnd negatives, and the answer adds `"rank"` (dst's, by TGB's
+  rule) and `"negatives"` (how many were drawn);
 - `POST /embed` `{"nodes": [...], "t": [...] | number}` -> `{"embeddings": [[...], ...]}`;
 - `GET /status` -> the checkpoint served, the last event applied, the lag behind the log.
 Every answer names the checkpoint and log offset it was computed at. A request that cannot
@@ -25,6 +28,7 @@ import os
 import threading
 
 import ray
+import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from ray import serve
@@ -37,7 +41,7 @@ from tidegraph.serving.engine import (
     ServedState,
     checked_run,
 )
-from tidegraph.serving.protocol import parse_embed, parse_score, parse_topk
+from tidegraph.serving.protocol import parse_embed, parse_score, parse_tgb, parse_topk
 
 __all__ = ["TidegraphServer", "answer_embed", "answer_score", "answer_topk", "build", "server_app"]
 
@@ -66,6 +70,17 @@ def answer_topk(state: ServedState, body) -> dict:
     src, t, k, candidates = parse_topk(body)
     s = state.nodes([src], "src")
     ts = state.times(t, 1)
+    if candidates == "tgb":  # dst against TGB's hist_rnd negatives of it
+        dst, negatives, seed = parse_tgb(body)
+        d = state.nodes([dst], "dst")
+        cand, logits, rank = state.tgb_rank(int(s[0]), int(d[0]), float(ts[0]), negatives, seed)
+        if k > cand.numel():
+            raise QueryError(f"k: {k} is more than the {cand.numel()} candidates (dst and its "
+                             f"negatives)")  # fmt: skip
+        best = torch.topk(logits, k)
+        return {"dst": state.external(cand[best.indices]),
+                "scores": torch.sigmoid(best.values).tolist(), "rank": rank,
+                "negatives": cand.numel() - 1}  # fmt: skip
     if candidates is None:  # every destination seen
         best, scores = state.topk(int(s[0]), float(ts[0]), k)
         ids = state.external(state.negatives.pool[best])

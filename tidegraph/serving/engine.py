@@ -14,6 +14,9 @@ Queries never change state:
   the state as of the last event applied and the neighbours strictly before `t`;
 - `topk(src, t, k, candidates)`: the k most likely destinations among `candidates` (default:
   every destination seen so far);
+- `tgb_rank(src, dst, t, negatives, seed)`: TGB's protocol for one positive: its hist_rnd
+  negatives (history: every event applied, `tidegraph.training.tgb`), the rank of `dst`
+  among them by TGB's rule, and every candidate's logit (for a top k);
 - `embed(nodes, t)`: the nodes' embeddings at `t`.
 Ids are the stream's external ids (the run's id map); an id the map does not hold is a new
 node: no neighbours and fresh node state, as the learner would see it at its first event.
@@ -47,6 +50,7 @@ from tidegraph.training.config import RunConfig
 from tidegraph.training.group import LocalGroup
 from tidegraph.training.metrics import link_metrics
 from tidegraph.training.sampling import NegativeSampler
+from tidegraph.training.tgb import SeenPairs, tgb_ranks
 
 __all__ = ["ModelOutputError", "QueryError", "RunSource", "ServedState", "checked_run"]
 
@@ -150,6 +154,7 @@ class ServedState:
         self.loaded_s = time.perf_counter() - t0
         self.lock = threading.RLock()  # queries and catching up take turns
         self.broken: str | None = None  # a catch-up failed midway: rebuild from a checkpoint
+        self.seen: SeenPairs | None = None  # TGB's history, read from the log when first asked
         self._grow(self.num_nodes)
         self.pending()  # the first look at the log
 
@@ -216,6 +221,8 @@ class ServedState:
             self.num_nodes = max(self.num_nodes, top)
         self.group.ingest(ev, self.num_nodes, span=(lo, hi))
         self.negatives.add(ev.dst)
+        if self.seen is not None:
+            self.seen.add(ev.src, ev.dst)
         self._grow(self.num_nodes)
 
     def _grow(self, num_nodes: int) -> None:
@@ -297,13 +304,54 @@ class ServedState:
             cand = self.negatives.pool if candidates is None else candidates
             if not 1 <= k <= cand.numel():
                 raise QueryError(f"k: must be in [1, {cand.numel()}] (the candidates), got {k}")
-            distinct, inverse = torch.unique(cand, return_inverse=True)
-            ev = _queries(torch.tensor([src]), distinct[:1], torch.tensor([t], dtype=torch.float64))
-            step = max(1, self.config.train.eval_max_roots - 2)
-            logits = torch.cat([self.group.eval_step(ev, part.view(1, -1), observe=False)[1][0]
-                                for part in distinct.split(step)])  # fmt: skip
-        best = torch.topk(_finite(logits, "scores")[inverse], k)
+            logits = self._logits(src, t, cand)
+        best = torch.topk(logits, k)
         return best.indices, torch.sigmoid(best.values)
+
+    def _logits(self, src: int, t: float, cand: torch.Tensor) -> torch.Tensor:
+        """Logits of dense `src` linking to each of dense `cand` at `t` (each distinct
+        candidate scored once; `eval_max_roots` roots a pass)."""
+        distinct, inverse = torch.unique(cand, return_inverse=True)
+        ev = _queries(torch.tensor([src]), distinct[:1], torch.tensor([t], dtype=torch.float64))
+        step = max(1, self.config.train.eval_max_roots - 2)
+        logits = torch.cat([self.group.eval_step(ev, part.view(1, -1), observe=False)[1][0]
+                            for part in distinct.split(step)])  # fmt: skip
+        return _finite(logits, "scores")[inverse]
+
+    def tgb_rank(
+        self, src: int, dst: int, t: float, negatives: int | None = None, seed: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """(candidates, logits, rank): dense `dst` then its `negatives` (None: the run's
+        `eval.negatives`) hist_rnd negatives for dense `src` at `t` (history: the distinct
+        pairs of every event applied; destination range theirs and `dst`), each candidate's
+        logit, and `dst`'s rank among the negatives by TGB's rule (1: above all of them)."""
+        e = self.config.eval
+        if dst >= self.num_nodes:
+            raise QueryError("dst: a node the run has not seen; TGB's protocol ranks a known "
+                             "destination against its negatives")  # fmt: skip
+        with self.lock, self._new_node_placed():
+            sampler = self._history().negatives(torch.tensor([dst]), negatives or e.negatives,
+                                                e.hist_ratio, seed)  # fmt: skip
+            neg, valid = sampler.sample(torch.tensor([src]), torch.tensor([dst]),
+                                        torch.tensor([t], dtype=torch.float64))  # fmt: skip
+            cand = torch.cat([torch.tensor([dst]), neg[0][valid[0]]])
+            logits = self._logits(src, t, cand)
+        rank = float(tgb_ranks(logits[:1], logits[1:].unsqueeze(0))[0])
+        return cand, logits, rank
+
+    def _history(self) -> SeenPairs:
+        """The distinct (src, dst) pairs of every event applied: the log's events before the
+        offset, read once a window at a time (then kept up by `_ingest`)."""
+        if self.seen is None:
+            seen, window = SeenPairs(), 1 << 20
+            for lo in range(0, self.offset, window):
+                ev = self.source.events.read(lo, min(self.offset, lo + window))
+                src, dst = ev.src, ev.dst
+                if self.idmap.kind == "int":  # the log's external ids, every one in the map
+                    (src, _), (dst, _) = self.idmap.lookup(src), self.idmap.lookup(dst)
+                seen.add(src, dst)
+            self.seen = seen
+        return self.seen
 
     def embed(self, nodes: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         """Embeddings [N, D] of dense `nodes` at times `t` (`eval_max_roots` roots a pass);

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from tidegraph.serving.engine import QueryError
 
-__all__ = ["MAX_ROWS", "parse_embed", "parse_score", "parse_topk"]
+__all__ = ["MAX_ROWS", "parse_embed", "parse_score", "parse_tgb", "parse_topk"]
 
 MAX_ROWS = 100_000
 
@@ -66,7 +66,9 @@ def parse_score(body) -> tuple[list, list, list[float] | float]:
     return src, dst, _times(body, len(src))
 
 
-def parse_topk(body) -> tuple[int | str, float, int, list | None]:
+def parse_topk(body) -> tuple[int | str, float, int, list | str | None]:
+    """(src, t, k, candidates): a list of ids, None (every destination seen) or "tgb" (the
+    true destination `dst` and TGB's hist_rnd negatives of it: `parse_tgb`)."""
     body = _body(body)
     src = _field(body, "src")
     if isinstance(src, bool) or not isinstance(src, int | str):
@@ -75,10 +77,31 @@ def parse_topk(body) -> tuple[int | str, float, int, list | None]:
     k = _field(body, "k")
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise QueryError(f"k: a positive integer expected, got {k!r}")
+    if body.get("candidates") == "tgb":
+        return src, t, k, "tgb"
     candidates = _ids(body, "candidates") if body.get("candidates") is not None else None
     if candidates is not None and k > len(set(candidates)):
         raise QueryError(f"k: {k} is more than the {len(set(candidates))} candidates")
     return src, t, k, candidates
+
+
+def parse_tgb(body) -> tuple[int | str, int | None, int]:
+    """A `/topk` under TGB's protocol (`"candidates": "tgb"`): (dst, negatives, seed): the
+    true destination whose rank is asked, how many negatives (None: the run's
+    `eval.negatives`), the draw's seed (default 0)."""
+    body = _body(body)
+    dst = _field(body, "dst")
+    if isinstance(dst, bool) or not isinstance(dst, int | str):
+        raise QueryError(f"dst: one node id (integer or string) expected, got {dst!r}")
+    out = []
+    for name, low in (("negatives", 1), ("seed", 0)):
+        x = body.get(name)
+        if x is not None and (isinstance(x, bool) or not isinstance(x, int) or x < low):
+            raise QueryError(f"{name}: an integer >= {low} expected, got {x!r}")
+        out.append(x)
+    if out[0] is not None and out[0] > MAX_ROWS:
+        raise QueryError(f"negatives: {out[0]}, at most {MAX_ROWS} a request")
+    return dst, out[0], out[1] or 0
 
 
 def parse_embed(body) -> tuple[list, list[float] | float]:
