@@ -245,6 +245,21 @@ def test_new_nodes_are_answered_as_new_nodes(tmp_path, placement):
     assert placed is None or placed.shape[0] <= served.num_nodes  # placed for the query only
 
 
+def test_tgb_history_holds_a_file_ingested_before_it_is_recorded(tmp_path):
+    """TGB's history first read in the middle of a catch-up (a log file ingested into the
+    graph whole, its batches not recorded yet) holds that whole file, as the graph does."""
+    make_run(tmp_path, "r", run_config("tgn"))
+    source = RunSource(str(tmp_path), "r")
+    served = ServedState(source, source.checkpoints.tags()[0])
+    lo, hi = served.pending()[0]
+    with served.lock:  # a catch-up's first move on a file
+        served._ingest(source.events.read(lo, hi), lo, hi)
+    assert served.offset == lo < hi
+    ev = source.events.read(0, hi)
+    src, dst = served.idmap.lookup(ev.src)[0], served.idmap.lookup(ev.dst)[0]
+    assert torch.equal(served._history().keys, torch.unique(src * 2**32 + dst))
+
+
 def test_queries_that_cannot_be_answered_name_the_field(tmp_path):
     from tidegraph.serving.app import answer_topk
 
@@ -263,8 +278,9 @@ def test_queries_that_cannot_be_answered_name_the_field(tmp_path):
         (lambda: parse_topk({"src": 1, "t": 1.0, "k": 3, "candidates": [4, 4]}), "k: 3 is more"),
         (lambda: parse_tgb({"src": 1, "t": 1.0, "k": 3}), "dst: missing"),
         (lambda: parse_tgb({"dst": [2]}), "dst: one node id"),
-        (lambda: parse_tgb({"dst": 2, "negatives": 0}), "negatives: an integer >= 1"),
-        (lambda: parse_tgb({"dst": 2, "seed": -1}), "seed: an integer >= 0"),
+        (lambda: parse_tgb({"dst": 2, "negatives": 0}), "negatives: an integer in [1, 2**63)"),
+        (lambda: parse_tgb({"dst": 2, "seed": -1}), "seed: an integer in [0, 2**63)"),
+        (lambda: parse_tgb({"dst": 2, "seed": 2**64}), "seed: an integer in [0, 2**63)"),
         (lambda: answer_topk(served, too_many), "k: 1000000 is more"),
         (lambda: served.nodes(["a"], "src"), "src: this run's node ids are integers"),
         (lambda: served.times(served.last_t - 1, 1), "t: "),

@@ -12,9 +12,11 @@ import json
 
 import pytest
 import torch
+from torch.nn.functional import pad
 
 from tidegraph.rng import seed_for
 from tidegraph.training import ContinualLearner, RunConfig, load_stream
+from tidegraph.training.metrics import link_metrics
 from tidegraph.training.tgb import HistRndNegatives, tgb_metrics
 
 K, PREFIX = 40, 250  # negatives a positive; scored positives a block (250: not a batch edge)
@@ -81,20 +83,23 @@ def test_each_block_is_scored_against_the_events_before_it(wiki, cluster):
         mine = [c for c in calls if lo <= c[0] < hi]
         if k < 0:  # one validation pass
             assert len(mine) == -(-(hi - lo) // 200)
-        neg = torch.cat([torch.nn.functional.pad(c[1], (0, K - c[1].shape[1])) for c in mine])
+        # each row: K hist_rnd negatives (a positive past the prefix: its own destination),
+        # then one uniform negative, which AP and AUC are measured against
+        width = [c[1].shape[1] for c in mine]
+        assert width == [K + 1 if c[0] < lo + PREFIX else 2 for c in mine]
+        neg = torch.cat([pad(c[1][:, :-1], (0, K + 1 - c[1].shape[1])) for c in mine])
         assert torch.equal(neg[:PREFIX], want[:PREFIX])
-        # past the prefix: recorded, scored against nothing (the positive's own destination)
         assert torch.equal(neg[PREFIX:, 0], ev.dst[lo + PREFIX : hi])
-        assert [c[1].shape[1] for c in mine if c[0] >= lo + PREFIX] == [1] * sum(
-            c[0] >= lo + PREFIX for c in mine)  # fmt: skip
-        pos = torch.cat([c[2] for c in mine])[:PREFIX]
-        scores = torch.cat([torch.nn.functional.pad(c[3], (0, K - c[3].shape[1]))
-                            for c in mine])[:PREFIX]  # fmt: skip
+        pos = torch.cat([c[2] for c in mine])
+        uniform = torch.cat([c[3][:, -1:] for c in mine])
+        scores = torch.cat([pad(c[3][:, :-1], (0, K + 1 - c[3].shape[1])) for c in mine])
         got = phase1 if k < 0 else records[k]
         prefix = "val_" if k < 0 else ""
-        ref = tgb_metrics(pos, scores, valid[:PREFIX], 5)
+        ref = tgb_metrics(pos[:PREFIX], scores[:PREFIX], valid[:PREFIX], 5)
         assert got[f"{prefix}mrr"] == ref["mrr"] and got[f"{prefix}hits@5"] == ref["hits@5"]
         assert got[f"{prefix}positives"] == PREFIX and 0 < ref["mrr"] < 1
+        sampled = link_metrics(pos, uniform)  # every event of the block, as forgetting's AP
+        assert got[f"{prefix}ap"] == sampled["ap"] and got[f"{prefix}auc"] == sampled["auc"]
     # the learner's history after the run: every pair learned, not only a window's
     keys = torch.unique((ev.src.long() << 32) | ev.dst.long())
     assert torch.equal(learner.tgb_seen.keys, keys)

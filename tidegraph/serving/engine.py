@@ -15,8 +15,8 @@ Queries never change state:
 - `topk(src, t, k, candidates)`: the k most likely destinations among `candidates` (default:
   every destination seen so far);
 - `tgb_rank(src, dst, t, negatives, seed)`: TGB's protocol for one positive: its hist_rnd
-  negatives (history: every event applied, `tidegraph.training.tgb`), the rank of `dst`
-  among them by TGB's rule, and every candidate's logit (for a top k);
+  negatives (history: every event in the served graph, `tidegraph.training.tgb`), the rank of
+  `dst` among them by TGB's rule, and every candidate's logit (for a top k);
 - `embed(nodes, t)`: the nodes' embeddings at `t`.
 Ids are the stream's external ids (the run's id map); an id the map does not hold is a new
 node: no neighbours and fresh node state, as the learner would see it at its first event.
@@ -149,12 +149,18 @@ class ServedState:
         self.trainer = self.group.trainers[0]
         self.trainer.load_state_dict(group_state["trainers"][0])
         self.checkpoint_offset = self.offset = int(state["log_offset"])
+        self.ingested_end = self.offset  # the graph holds the log's events before it
         self.batch = config.train.batch_size
         self.last_t = self._time_before(self.offset)
         self.loaded_s = time.perf_counter() - t0
         self.lock = threading.RLock()  # queries and catching up take turns
         self.broken: str | None = None  # a catch-up failed midway: rebuild from a checkpoint
         self.seen: SeenPairs | None = None  # TGB's history, read from the log when first asked
+        if config.eval.protocol == "tgb" and config.mode == "continual":
+            log.warning("serve: run %r evaluated increments by TGB's protocol; catching up "
+                        "records the log's events against %d uniform negatives instead, so "
+                        "node state after a catch-up is not the learner's to the bit",
+                        source.run_name, config.train.eval_negatives)  # fmt: skip
         self._grow(self.num_nodes)
         self.pending()  # the first look at the log
 
@@ -220,6 +226,7 @@ class ServedState:
             top = int(torch.maximum(ev.src.max(), ev.dst.max())) + 1
             self.num_nodes = max(self.num_nodes, top)
         self.group.ingest(ev, self.num_nodes, span=(lo, hi))
+        self.ingested_end = hi
         self.negatives.add(ev.dst)
         if self.seen is not None:
             self.seen.add(ev.src, ev.dst)
@@ -340,12 +347,13 @@ class ServedState:
         return cand, logits, rank
 
     def _history(self) -> SeenPairs:
-        """The distinct (src, dst) pairs of every event applied: the log's events before the
-        offset, read once a window at a time (then kept up by `_ingest`)."""
+        """The distinct (src, dst) pairs of every event in the graph: the log's events before
+        the last file ingested ends (a catch-up ingests a file whole, then records it batch by
+        batch), read once a window at a time, then kept up by `_ingest`."""
         if self.seen is None:
-            seen, window = SeenPairs(), 1 << 20
-            for lo in range(0, self.offset, window):
-                ev = self.source.events.read(lo, min(self.offset, lo + window))
+            seen, window, end = SeenPairs(), 1 << 20, self.ingested_end
+            for lo in range(0, end, window):
+                ev = self.source.events.read(lo, min(end, lo + window))
                 src, dst = ev.src, ev.dst
                 if self.idmap.kind == "int":  # the log's external ids, every one in the map
                     (src, _), (dst, _) = self.idmap.lookup(src), self.idmap.lookup(dst)

@@ -96,8 +96,9 @@ def parse_tgb(body) -> tuple[int | str, int | None, int]:
     out = []
     for name, low in (("negatives", 1), ("seed", 0)):
         x = body.get(name)
-        if x is not None and (isinstance(x, bool) or not isinstance(x, int) or x < low):
-            raise QueryError(f"{name}: an integer >= {low} expected, got {x!r}")
+        if x is not None and (isinstance(x, bool) or not isinstance(x, int) or not
+                              low <= x < 1 << 63):  # fmt: skip
+            raise QueryError(f"{name}: an integer in [{low}, 2**63) expected, got {x!r}")
         out.append(x)
     if out[0] is not None and out[0] > MAX_ROWS:
         raise QueryError(f"negatives: {out[0]}, at most {MAX_ROWS} a request")

@@ -158,8 +158,9 @@ class EvalConfig:
     # tgb: the first `prefix` positives of validation and of test (continual: of each
     # increment) are scored (0: all); the rest is still recorded in node state
     prefix: int = 0
-    # tgb: score validation after every epoch (False: after the last only; 999 negatives a
-    # positive make it as costly as training, and it selects nothing)
+    # tgb, offline: score validation after every epoch (False: after the last only; 999
+    # negatives a positive make it as costly as training, and it selects nothing); continual
+    # phase 1 records its validation in node state every epoch, so it scores it every epoch
     every_epoch: bool = False
 
     def __post_init__(self) -> None:

@@ -280,19 +280,21 @@ class ContinualLearner:
 
     def _eval_inputs(self, u: Unit) -> tuple[EventBatch, torch.Tensor]:
         """(events, negatives) of evaluation unit `u`: `eval_negatives` uniform ones a
-        positive, or under TGB's protocol its block's hist_rnd row (a positive past
-        `eval.prefix` is recorded, not scored: its own destination as its one negative)."""
+        positive, or under TGB's protocol its block's hist_rnd row then one uniform negative
+        (AP and AUC are the sampled protocol's, against it, so forgetting compares like with
+        like); a positive past `eval.prefix` is not ranked: its own destination in the row."""
         ev = self._events(u.lo, u.hi)
+        uniform = self.negatives.sample(len(ev), 1 if self.tgb else self.eval_negatives)
         if not self.tgb:
-            return ev, self.negatives.sample(len(ev), self.eval_negatives)
+            return ev, uniform
         start = self._eval_block(u)[0]
         neg, _ = self._tgb_negatives(u)
         a, b = u.lo - start, min(u.hi - start, neg.shape[0])
         if a >= b:
-            return ev, ev.dst.unsqueeze(1).clone()
-        out = ev.dst.unsqueeze(1).repeat(1, neg.shape[1])
-        out[: b - a] = neg[a:b]
-        return ev, out
+            return ev, torch.cat([ev.dst.unsqueeze(1), uniform], 1)
+        rows = ev.dst.unsqueeze(1).repeat(1, neg.shape[1])
+        rows[: b - a] = neg[a:b]
+        return ev, torch.cat([rows, uniform], 1)
 
     def _eval_scores(self, u: Unit, p: torch.Tensor, n: torch.Tensor, ps: dict) -> None:
         """Evaluation unit `u`'s scores into the pass state: all of them, or under TGB's
@@ -301,14 +303,15 @@ class ContinualLearner:
             ps["pos"].append(p)
             ps["neg"].append(n)
             return
+        ps["pos"].append(p)
+        ps["neg"].append(n[:, -1:])  # the uniform negative: AP and AUC over every event
         start = self._eval_block(u)[0]
         neg, valid = self._tgb_negatives(u)
         a = u.lo - start
         m = max(0, min(u.hi - start, neg.shape[0]) - a)
         if m:
-            ps["pos"].append(p[:m])
-            ps["neg"].append(n[:m, :1])
-            ps.setdefault("rank", []).append(tgb_ranks(p[:m], n[:m], valid[a : a + m]))
+            k = neg.shape[1]
+            ps.setdefault("rank", []).append(tgb_ranks(p[:m], n[:m, :k], valid[a : a + m]))
 
     def _eval_block(self, u: Unit) -> tuple[int, int]:
         """The events [lo, hi) that evaluation unit `u`'s pass evaluates."""
@@ -342,6 +345,7 @@ class ContinualLearner:
         ranks = ps.pop("rank", [])
         metrics = link_metrics(torch.cat(ps.pop("pos")), torch.cat(ps.pop("neg")))
         if self.tgb:  # MRR and Hits@k by TGB's rank rule, of the scored positives
+            self._tgb_draw = None  # the block's rows are done with (a resume draws again)
             rank = torch.cat(ranks)
             metrics.update(rank_metrics(rank, self.config.eval.hits_k), positives=rank.numel())
         if u.increment < 0:

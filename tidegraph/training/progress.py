@@ -146,7 +146,8 @@ def begin_pass(ps: dict, schedule: Schedule, at: int, u: Unit, enabled: bool) ->
     batch, its accumulators in the pass state `ps` start empty and its clock starts; the pass's
     bar opens unless it is open (at a later batch: a run resumed midway)."""
     if u.part == 0:
-        acc = {"losses": [], "loss_events": 0} if u.kind == "train" else {"pos": [], "neg": []}
+        acc = ({"losses": [], "loss_events": 0} if u.kind == "train"
+               else {"pos": [], "neg": [], "rank": []})  # fmt: skip
         ps.update(acc, t_pass=time.perf_counter())
     if "bar" not in ps:
         ps["bar"] = _pass_bar(ps, schedule, at, u, enabled)

@@ -227,6 +227,8 @@ class SeenPairs:
         if src.numel() == 0:
             return
         src, dst = src.cpu().to(torch.int64), dst.cpu().to(torch.int64)
+        if bool(((src < 0) | (src >= 1 << 31) | (dst < 0) | (dst >= 1 << 31)).any()):
+            raise ValueError("tgb history: node ids must be dense, in [0, 2**31)")
         self.keys = torch.unique(torch.cat([self.keys, (src << 32) | dst]))
         lo, hi = int(dst.min()), int(dst.max())
         self.first_dst = lo if self.first_dst is None else min(self.first_dst, lo)
