@@ -102,7 +102,7 @@ def test_each_block_is_scored_against_the_events_before_it(wiki, cluster):
         assert got[f"{prefix}ap"] == sampled["ap"] and got[f"{prefix}auc"] == sampled["auc"]
     # the learner's history after the run: every pair learned, not only a window's
     keys = torch.unique((ev.src.long() << 32) | ev.dst.long())
-    assert torch.equal(learner.tgb_seen.keys, keys)
+    assert torch.equal(learner.evaluation.seen.keys, keys)
     summary = learner.summary()
     assert summary["mrr"] == sum(r["mrr"] for r in records) / len(records)
     assert summary["hits@5"] == sum(r["hits@5"] for r in records) / len(records)
@@ -134,7 +134,9 @@ def test_a_run_resumed_inside_an_increments_evaluation_ends_the_same(wiki):
     resumed = ContinualLearner(cfg, wiki)
     buffer.seek(0)
     resumed.load_state_dict(torch.load(buffer, weights_only=False))
-    assert resumed._tgb_draw is None and torch.equal(resumed.tgb_seen.keys, part.tgb_seen.keys)
+    assert resumed.evaluation.draw is None and torch.equal(
+        resumed.evaluation.seen.keys, part.evaluation.seen.keys
+    )
     while not resumed.done:
         resumed.step()
     assert untimed(resumed.history) == untimed(full.history)

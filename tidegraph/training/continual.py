@@ -48,15 +48,15 @@ from tidegraph.storage.events import EventBatch
 from tidegraph.storage.idmap import IdMap
 from tidegraph.training.config import RunConfig
 from tidegraph.training.data import Stream, stream_for
+from tidegraph.training.evaluation import Evaluation
 from tidegraph.training.group import LocalGroup
 from tidegraph.training.history import EventHistory, windows
-from tidegraph.training.metrics import average_precision, link_metrics
+from tidegraph.training.metrics import average_precision
 from tidegraph.training.pass_windows import run_pass
 from tidegraph.training.progress import begin_pass, close_pass_bar, pass_bar
 from tidegraph.training.records import RecordLog, cluster_record
 from tidegraph.training.sampling import NegativeSampler, build_replay, node_degree
 from tidegraph.training.schedule import Cursor, Schedule, Unit
-from tidegraph.training.tgb import SeenPairs, rank_metrics, tgb_ranks
 
 __all__ = ["ContinualLearner"]
 
@@ -108,11 +108,8 @@ class ContinualLearner:
         self.forget_gen = seed_stream(seed, "forgetting")
         t = config.train
         self.train_negatives, self.eval_negatives = t.train_negatives, t.eval_negatives
-        # eval.protocol tgb: the distinct pairs learned so far (an increment's history), and
-        # the block under evaluation's hist_rnd negatives (drawn again after a load)
         self.tgb = config.eval.protocol == "tgb"
-        self.tgb_seen = SeenPairs()
-        self._tgb_draw: tuple | None = None
+        self.evaluation = Evaluation(self)  # what evaluation units score against
         times = self.stream.spool if self.stream.spool is not None else self.events.t
         self.schedule = Schedule(times, config.continual, t.batch_size, t.epochs, live)
         self.val_start, self.phase1_end = self.schedule.val_start, self.schedule.phase1_end
@@ -272,82 +269,15 @@ class ContinualLearner:
 
     def _unit_eval(self, u: Unit, ps: dict) -> None:
         begin_pass(ps, self.schedule, self.cursor.unit, u, self.config.progress)
-        ev, neg = self._eval_inputs(u)
+        ev, neg = self.evaluation.inputs(u)
         with self.group.tracer.span("evaluation", events=len(ev)):
             p, n = self.group.eval_step(ev, neg, True)
-        self._eval_scores(u, p, n, ps)
+        self.evaluation.scores(u, p, n, ps)
         pass_bar(ps, u.hi - u.lo)
-
-    def _eval_inputs(self, u: Unit) -> tuple[EventBatch, torch.Tensor]:
-        """(events, negatives) of evaluation unit `u`: `eval_negatives` uniform ones a
-        positive, or under TGB's protocol its block's hist_rnd row then one uniform negative
-        (AP and AUC are the sampled protocol's, against it, so forgetting compares like with
-        like); a positive past `eval.prefix` is not ranked: its own destination in the row."""
-        ev = self._events(u.lo, u.hi)
-        uniform = self.negatives.sample(len(ev), 1 if self.tgb else self.eval_negatives)
-        if not self.tgb:
-            return ev, uniform
-        start = self._eval_block(u)[0]
-        neg, _ = self._tgb_negatives(u)
-        a, b = u.lo - start, min(u.hi - start, neg.shape[0])
-        if a >= b:
-            return ev, torch.cat([ev.dst.unsqueeze(1), uniform], 1)
-        rows = ev.dst.unsqueeze(1).repeat(1, neg.shape[1])
-        rows[: b - a] = neg[a:b]
-        return ev, torch.cat([rows, uniform], 1)
-
-    def _eval_scores(self, u: Unit, p: torch.Tensor, n: torch.Tensor, ps: dict) -> None:
-        """Evaluation unit `u`'s scores into the pass state: all of them, or under TGB's
-        protocol its scored positives' ranks (and their first negatives, for AP and AUC)."""
-        if not self.tgb:
-            ps["pos"].append(p)
-            ps["neg"].append(n)
-            return
-        ps["pos"].append(p)
-        ps["neg"].append(n[:, -1:])  # the uniform negative: AP and AUC over every event
-        start = self._eval_block(u)[0]
-        neg, valid = self._tgb_negatives(u)
-        a = u.lo - start
-        m = max(0, min(u.hi - start, neg.shape[0]) - a)
-        if m:
-            k = neg.shape[1]
-            ps.setdefault("rank", []).append(tgb_ranks(p[:m], n[:m, :k], valid[a : a + m]))
-
-    def _eval_block(self, u: Unit) -> tuple[int, int]:
-        """The events [lo, hi) that evaluation unit `u`'s pass evaluates."""
-        return (self.val_start, self.phase1_end) if u.increment < 0 else self.bounds[u.increment]
-
-    def _tgb_negatives(self, u: Unit) -> tuple[torch.Tensor, torch.Tensor]:
-        """(negatives, valid) of the scored positives (the first `eval.prefix`; 0: all) of
-        unit `u`'s block, by TGB's hist_rnd rule: history every event learned before the block
-        (phase 1's validation: phase 1's training part), destination range the history's and
-        the block's, seed `seed_for(seed, "tgb negatives", 0 for phase 1, k + 1 for increment
-        k)`. Drawn once a block (a pure function of the run's state when the block starts)."""
-        block = self._eval_block(u)
-        if self._tgb_draw is None or self._tgb_draw[0] != block:
-            start, end = block
-            e = self.config.eval
-            scored = end - start if e.prefix == 0 else min(end - start, e.prefix)
-            seen = self.tgb_seen
-            if u.increment < 0:
-                seen = SeenPairs()
-                for lo, hi in self._windows(0, self.val_start):
-                    ev = self._events(lo, hi)
-                    seen.add(ev.src, ev.dst)
-            ev = self._events(start, end)
-            seed = seed_for(self.config.seed, "tgb negatives", u.increment + 1)
-            sampler = seen.negatives(ev.dst, e.negatives, e.hist_ratio, seed)
-            self._tgb_draw = (block, *sampler.sample(ev.src, ev.dst, ev.t, rows=scored))
-        return self._tgb_draw[1], self._tgb_draw[2]
 
     def _unit_eval_end(self, u: Unit, ps: dict) -> None:
         close_pass_bar(ps, u.hi - u.lo)
-        ranks = ps.pop("rank", [])
-        metrics = link_metrics(torch.cat(ps.pop("pos")), torch.cat(ps.pop("neg")))
-        if self.tgb:  # MRR and Hits@k by TGB's rank rule, of the scored positives
-            self._tgb_draw = None  # the block's rows are done with (a resume draws again)
-            rank = torch.cat(ranks)
-            metrics.update(rank_metrics(rank, self.config.eval.hits_k), positives=rank.numel())
+        metrics = self.evaluation.metrics(ps)
         if u.increment < 0:
             log.info("phase 1 epoch %d: loss %.4f val %s", u.epoch + 1, ps["loss"], _fmt(metrics))
             ps["record"].update(
@@ -424,8 +354,7 @@ class ContinualLearner:
     def _learned(self, ev: EventBatch) -> None:
         """Events of a block just learned: old from now on (and TGB's history)."""
         self.history_events.learned(ev)
-        if self.tgb:
-            self.tgb_seen.add(ev.src, ev.dst)
+        self.evaluation.learned(ev)
 
     def append(self, events: EventBatch) -> None:
         """Events that arrived on a live stream: the next increment (eids continue the
@@ -534,7 +463,7 @@ class ContinualLearner:
             "slot_precision": self.slot_precision,
             "idmap": self.stream.idmap.state_dict(),  # external -> dense node ids
             "old_events": self.history_events.state_dict(store),
-            "tgb_seen": self.tgb_seen.state_dict(),  # empty unless eval.protocol is tgb
+            "tgb_seen": self.evaluation.seen.state_dict(),  # empty unless eval.protocol is tgb
             # the pass under way (not its progress bar; wall-clock stamps restart on load)
             "pass": {k: _resolved(v) for k, v in self.pass_state.items() if k != "bar"},
         }
@@ -551,9 +480,7 @@ class ContinualLearner:
             self.schedule.rebatch(unit, batch)
         if "idmap" in state:  # the checkpoint's map, bitwise (a rebuilt stream's is the same)
             self.stream.idmap = IdMap.from_state(state["idmap"])
-        if "tgb_seen" in state:
-            self.tgb_seen.load_state_dict(state["tgb_seen"])
-        self._tgb_draw = None
+        self.evaluation.load_seen(state.get("tgb_seen"))
         if "old_events" in state:
             self.history_events.load_state_dict(state["old_events"])
         else:  # a checkpoint from before the reservoir: counted again from the events

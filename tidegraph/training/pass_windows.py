@@ -34,12 +34,12 @@ def run_pass(learner, first: Unit) -> None:
                 ps["loss_events"] += len(ev)
                 learner.cursor.step += 1
         else:
-            batches = [learner._eval_inputs(u) for u in todo]
+            batches = [learner.evaluation.inputs(u) for u in todo]
             progress = steps_shown(lambda i, b=batches: pass_bar(ps, len(b[i][0])))
             with group.tracer.span("evaluation", steps=len(batches)):
                 scores = group.eval_pass(batches, True, progress)
             for u, (p, n) in zip(todo, scores, strict=True):
-                learner._eval_scores(u, p, n, ps)
+                learner.evaluation.scores(u, p, n, ps)
         progress(len(todo))
     learner.cursor.unit = at + first.parts
 
