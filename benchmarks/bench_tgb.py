@@ -39,7 +39,7 @@ from tidegraph.training.config import RunConfig  # noqa: E402
 from tidegraph.training.continual import ContinualLearner  # noqa: E402
 from tidegraph.training.data import load_stream  # noqa: E402
 from tidegraph.training.offline import run_offline  # noqa: E402
-from tidegraph.training.tgb import HistRndNegatives, edgebank_tgb, tgb_metrics  # noqa: E402
+from tidegraph.training.tgb import HistRndNegatives, edgebank_block, edgebank_tgb  # noqa: E402
 
 
 def edgebank_rows(stream, args, seed: int) -> list[dict]:
@@ -104,16 +104,8 @@ def continual_rows(args, job_flags: list[str]) -> list[dict]:
                "mrr": increments[k]["mrr"], "hits@10": increments[k]["hits@10"],
                "ap": increments[k]["ap"]}  # fmt: skip
         for mode, bank in banks.items():
-            pos_s, neg_s = [], []
-            for a in range(lo, hi, config.train.batch_size):
-                b = min(hi, a + config.train.batch_size)
-                if a < lo + scored:
-                    top = min(b, lo + scored)
-                    s = ev.src[a:top].unsqueeze(1)
-                    pos_s.append(bank.score(s, ev.dst[a:top].unsqueeze(1)).squeeze(1))
-                    neg_s.append(bank.score(s, neg[a - lo : top - lo]))
-                bank.update(ev.src[a:b], ev.dst[a:b], ev.t[a:b])
-            m = tgb_metrics(torch.cat(pos_s), torch.cat(neg_s), valid, 10)
+            m = edgebank_block(bank, ev.select(slice(lo, hi)), neg, valid,
+                               config.train.batch_size)  # fmt: skip
             row[f"edgebank_{mode}_mrr"] = m["mrr"]
         rows.append(row)
     summary = json.loads((out / "summary.json").read_text())

@@ -163,6 +163,11 @@ class EvalConfig:
     # phase 1 records its validation in node state every epoch, so it scores it every epoch
     every_epoch: bool = False
 
+    def tgb_record(self) -> dict:
+        """The protocol's settings, as a run's results name them."""
+        return {"name": "tgb", "negatives": self.negatives, "hist_ratio": self.hist_ratio,
+                "prefix": self.prefix}  # fmt: skip
+
     def __post_init__(self) -> None:
         check_fields(self, "eval")
         if self.protocol not in EVAL_PROTOCOLS:

@@ -277,7 +277,7 @@ class ContinualLearner:
 
     def _unit_eval_end(self, u: Unit, ps: dict) -> None:
         close_pass_bar(ps, u.hi - u.lo)
-        metrics = self.evaluation.metrics(ps)
+        metrics = self.evaluation.metrics(u, ps)
         if u.increment < 0:
             log.info("phase 1 epoch %d: loss %.4f val %s", u.epoch + 1, ps["loss"], _fmt(metrics))
             ps["record"].update(
@@ -410,10 +410,8 @@ class ContinualLearner:
         if inc:
             keys = ["ap", "auc", "mrr", "old_ap"]
             if self.tgb:  # MRR above is TGB's; its Hits@k too
-                e = self.config.eval
-                keys.append(f"hits@{e.hits_k}")
-                out["protocol"] = {"name": "tgb", "negatives": e.negatives,
-                                   "hist_ratio": e.hist_ratio, "prefix": e.prefix}  # fmt: skip
+                keys.append(f"hits@{self.config.eval.hits_k}")
+                out["protocol"] = self.config.eval.tgb_record()
             for key in keys:
                 out[key] = sum(r[key] for r in inc) / len(inc)
             saved = self.negatives.generator.get_state(), self.forget_gen.get_state()

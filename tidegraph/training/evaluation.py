@@ -12,7 +12,8 @@ trained on) score their positives against, and the metrics of a pass.
   every event of the block) stay the sampled protocol's, as forgetting's probes are; a
   positive past the prefix has its own destination in place of the hist_rnd row.
 A block's rows are drawn once, when its pass starts or resumes (a pure function of the run's
-state then), and dropped when the pass ends.
+state then): phase 1's kept for its every epoch's validation, an increment's dropped when its
+pass ends.
 """
 
 from __future__ import annotations
@@ -59,13 +60,11 @@ class Evaluation:
         uniform = lr.negatives.sample(len(ev), 1 if self.tgb else lr.eval_negatives)
         if not self.tgb:
             return ev, uniform
-        start = self.block(u)[0]
-        neg, _ = self.negatives(u)
-        a, b = u.lo - start, min(u.hi - start, neg.shape[0])
-        if a >= b:
+        neg, _, a, m = self._rows(u)
+        if m == 0:
             return ev, torch.cat([ev.dst.unsqueeze(1), uniform], 1)
         rows = ev.dst.unsqueeze(1).repeat(1, neg.shape[1])
-        rows[: b - a] = neg[a:b]
+        rows[:m] = neg[a : a + m]
         return ev, torch.cat([rows, uniform], 1)
 
     def scores(self, u: Unit, p: torch.Tensor, n: torch.Tensor, ps: dict) -> None:
@@ -76,20 +75,26 @@ class Evaluation:
             ps["neg"].append(n)
             return
         ps["neg"].append(n[:, -1:])
-        start = self.block(u)[0]
-        neg, valid = self.negatives(u)
-        a = u.lo - start
-        m = max(0, min(u.hi - start, neg.shape[0]) - a)
+        neg, valid, a, m = self._rows(u)
         if m:
             k = neg.shape[1]
-            ps.setdefault("rank", []).append(tgb_ranks(p[:m], n[:m, :k], valid[a : a + m]))
+            ps["rank"].append(tgb_ranks(p[:m], n[:m, :k], valid[a : a + m]))
 
-    def metrics(self, ps: dict) -> dict:
-        """A finished pass's metrics (its accumulators taken from `ps`)."""
+    def _rows(self, u: Unit) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+        """(negatives, valid, a, m) of unit `u`'s block: its scored positives are `m` rows
+        from row `a` of them (m = 0: none, past the prefix)."""
+        neg, valid = self.negatives(u)
+        a = u.lo - self.block(u)[0]
+        return neg, valid, a, max(0, min(u.hi - u.lo, neg.shape[0] - a))
+
+    def metrics(self, u: Unit, ps: dict) -> dict:
+        """The metrics of the pass that evaluation-end unit `u` closes (its accumulators
+        taken from `ps`)."""
         ranks = ps.pop("rank", [])
         out = link_metrics(torch.cat(ps.pop("pos")), torch.cat(ps.pop("neg")))
         if self.tgb:  # MRR and Hits@k by TGB's rank rule, of the scored positives
-            self.draw = None  # the block's rows are done with (a resume draws again)
+            if u.increment >= 0:  # an increment is evaluated once (a resume draws again)
+                self.draw = None
             rank = torch.cat(ranks)
             k = self.learner.config.eval.hits_k
             out.update(rank_metrics(rank, k), positives=rank.numel())

@@ -80,9 +80,7 @@ def _run(config: RunConfig, learner: ContinualLearner) -> dict:
         "split": {"train": train_end, "val": val_end - train_end, "test": n - val_end},
     }
     if tgb:
-        e = config.eval
-        out["protocol"] = {"name": "tgb", "negatives": e.negatives, "hist_ratio": e.hist_ratio,
-                           "prefix": e.prefix}  # fmt: skip
+        out["protocol"] = config.eval.tgb_record()
     if config.out_dir:
         path = Path(config.out_dir) / "offline.json"
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -31,6 +31,7 @@ __all__ = [
     "TGB_QUANTILES",
     "HistRndNegatives",
     "SeenPairs",
+    "edgebank_block",
     "edgebank_tgb",
     "rank_metrics",
     "tgb_bounds",
@@ -282,19 +283,34 @@ def edgebank_tgb(
     out = {}
     for split, (start, end) in (("val", (train_end, val_end)), ("test", (val_end, len(t)))):
         neg, valid = sampler.sample(src[start:end], dst[start:end], t[start:end])
-        scored = end if prefix == 0 else min(end, start + prefix)
-        pos_s, neg_s = [], []
-        for lo in range(start, end, batch_size):
-            hi = min(end, lo + batch_size)
-            if lo < scored:
-                top = min(hi, scored)
-                s = src[lo:top].unsqueeze(1)
-                pos_s.append(bank.score(s, dst[lo:top].unsqueeze(1)).squeeze(1))
-                neg_s.append(bank.score(s, neg[lo - start : top - start]))
-            elif split == "test":
-                break
-            bank.update(src[lo:hi], dst[lo:hi], t[lo:hi])
-        out[split] = tgb_metrics(torch.cat(pos_s), torch.cat(neg_s), valid[: scored - start],
-                                 hits_k)  # fmt: skip
-        out[split]["positives"] = scored - start
+        scored = end - start if prefix == 0 else min(end - start, prefix)
+        out[split] = edgebank_block(bank, events.select(slice(start, end)), neg[:scored],
+                                    valid[:scored], batch_size, hits_k,
+                                    record_rest=split == "val")  # fmt: skip
+    return out
+
+
+def edgebank_block(
+    bank, events, neg: torch.Tensor, valid: torch.Tensor, batch_size: int = 200,
+    hits_k: int = 10, record_rest: bool = True,
+) -> dict:  # fmt: skip
+    """EdgeBank's TGB metrics on a block of `events`, as TGB's example runs it: batch by
+    batch, each batch scored (its positives among the first `len(neg)`, against their rows of
+    `neg` / `valid`) then recorded in `bank`; `record_rest`: the rest of the block recorded
+    too (False: the bank stops at the last scored batch)."""
+    src, dst, t = events.src, events.dst, events.t
+    scored = neg.shape[0]
+    pos_s, neg_s = [], []
+    for lo in range(0, len(events), batch_size):
+        hi = min(len(events), lo + batch_size)
+        if lo < scored:
+            top = min(hi, scored)
+            s = src[lo:top].unsqueeze(1)
+            pos_s.append(bank.score(s, dst[lo:top].unsqueeze(1)).squeeze(1))
+            neg_s.append(bank.score(s, neg[lo:top]))
+        elif not record_rest:
+            break
+        bank.update(src[lo:hi], dst[lo:hi], t[lo:hi])
+    out = tgb_metrics(torch.cat(pos_s), torch.cat(neg_s), valid, hits_k)
+    out["positives"] = scored
     return out
