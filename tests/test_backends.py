@@ -651,6 +651,8 @@ CASES = [
     Case("train.train_negatives", {"train": {"train_negatives": 2}}),
     Case("train.eval_negatives", {"train": {"eval_negatives": 5}}),
     Case("train.eval_max_roots", {"train": {"eval_max_roots": 30}}, None),
+    Case("train.optimizer", {"train": {"optimizer": "lamb"}}),
+    Case("train.warmup_steps", {"train": {"warmup_steps": 4}}),
     # continual
     Case("continual.train_fraction", {"continual": {"train_fraction": 0.5}}),
     Case("continual.val_fraction", {"continual": {"val_fraction": 0.3}}),
@@ -874,7 +876,7 @@ COMBINED = [
         "model": {"num_layers": 2, "dim": 32, "heads": 4, "memory_dim": 8, "time_dim": 4,
                   "time_trainable": True, "static_memory": True},
         "sampler": {"fanouts": [5, 3], "history": "batch", "root_dedup": "never"},
-        "train": {"lr": 2e-3, "train_negatives": 2},
+        "train": {"lr": 2e-3, "train_negatives": 2, "optimizer": "lamb", "warmup_steps": 3},
         "continual": {"increment_events": 150, "replay": "importance", "importance_floor": 0.3,
                       "replay_ratio": 0.8, "fresh_optimizer": True, "retrain_epochs": 2,
                       "replay_capacity": 300, "window_events": 250},

@@ -62,12 +62,14 @@ def test_gradients_accumulate_into_the_buffer():
     assert torch.allclose(opt.flat_grad, 2 * once)
 
 
-def test_state_round_trips_into_a_new_optimizer():
+@pytest.mark.parametrize("rule", ["adam", "lamb"])
+def test_state_round_trips_into_a_new_optimizer(rule):
+    """Also inside a warm-up: the loaded step count goes on with it."""
     a, b = _net(), _net()
-    opt_a = FlatAdam(a.parameters(), lr=1e-2)
+    opt_a = FlatAdam(a.parameters(), lr=1e-2, rule=rule, warmup_steps=8)
     _train(a, opt_a, 5)
     b.load_state_dict(a.state_dict())
-    opt_b = FlatAdam(b.parameters(), lr=1e-2)
+    opt_b = FlatAdam(b.parameters(), lr=1e-2, rule=rule, warmup_steps=8)
     # a deep copy, as a checkpoint gives: Optimizer.load_state_dict keeps the tensors it is given
     opt_b.load_state_dict(copy.deepcopy(opt_a.state_dict()))
     _train(a, opt_a, 5, seed=7)
@@ -167,3 +169,117 @@ def test_state_moves_between_flat_adam_and_torch_adam_over_the_buffer():
         assert torch.equal(back.state[back.flat][key], value), key
     with pytest.raises(ValueError, match="one parameter group of one buffer"):
         back.load_state_dict({"state": {}, "param_groups": [{"params": [0, 1]}]})
+
+
+# ---- LAMB and the warm-up ---------------------------------------------------------------------
+
+
+def _lamb_reference(params, grads, state, lr, betas=(0.9, 0.999), eps=1e-8, wd=0.0):
+    """LAMB written out per parameter tensor (You et al. 2020, with Adam's bias correction;
+    vectors take Adam's step): the test's independent reading of the rule."""
+    state["t"] = state.get("t", 0) + 1
+    t, (b1, b2) = state["t"], betas
+    for i, (p, g) in enumerate(zip(params, grads, strict=True)):
+        m = state.setdefault(("m", i), torch.zeros_like(p))
+        v = state.setdefault(("v", i), torch.zeros_like(p))
+        m.mul_(b1).add_(g, alpha=1 - b1)
+        v.mul_(b2).add_(g * g, alpha=1 - b2)
+        u = (m / (1 - b1**t)) / ((v / (1 - b2**t)).sqrt() + eps) + wd * p
+        wn, un = p.norm(), u.norm()
+        trust = wn / un if p.dim() > 1 and wn > 0 and un > 0 else 1.0
+        p.sub_(lr * trust * u)
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.01])
+def test_lamb_matches_the_rule_written_per_parameter(device, weight_decay):
+    net = _net(device=device)
+    ref = [p.detach().clone() for p in net.parameters()]
+    with torch.no_grad():  # a zero matrix: its first trust ratio is 1 (||w|| = 0)
+        net[2].weight.zero_()
+        ref[2].zero_()
+    opt = FlatAdam(net.parameters(), lr=1e-2, rule="lamb", weight_decay=weight_decay)
+    state: dict = {}
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(6):
+        x = torch.randn(8, 16, generator=gen).to(device)
+        opt.zero_grad()
+        net(x).pow(2).mean().backward()
+        grads = [p.grad.clone() for p in net.parameters()]
+        opt.step()
+        _lamb_reference(ref, grads, state, 1e-2, wd=weight_decay)
+        for p, q in zip(net.parameters(), ref, strict=True):
+            torch.testing.assert_close(p.detach(), q, rtol=1e-5, atol=1e-7)
+
+
+def test_lamb_moves_each_matrix_by_lr_of_its_norm_whatever_its_gradient_scale():
+    net = _net()
+    with torch.no_grad():
+        net[0].weight.mul_(50.0)  # layers of very different norms
+    before = [p.detach().clone() for p in net.parameters()]
+    opt = FlatAdam(net.parameters(), lr=1e-2, rule="lamb")
+    opt.zero_grad()
+    (net(torch.randn(8, 16)).pow(2).mean() * 1e4).backward()
+    opt.step()
+    for p, q in zip(net.parameters(), before, strict=True):
+        if p.dim() > 1:
+            torch.testing.assert_close((p.detach() - q).norm(), 1e-2 * q.norm(), rtol=1e-4, atol=0)
+        else:  # Adam's first step: lr a value (its update is the gradient's sign, up to eps)
+            torch.testing.assert_close((p.detach() - q).abs(), torch.full_like(q, 1e-2))
+
+
+def test_lamb_leaves_a_rounding_only_gradient_where_adam_does():
+    """A vector whose gradient is rounding noise moves as little as Adam moves it."""
+    bias = nn.Parameter(torch.ones(4))
+    weight = nn.Parameter(torch.ones(4, 4))
+    lamb = FlatAdam([weight, bias], lr=1e-2, rule="lamb")
+    lamb.zero_grad()
+    bias.grad.fill_(1e-20)
+    weight.grad.fill_(1.0)
+    lamb.step()
+    assert (bias.detach() - 1).abs().max() < 1e-13
+
+
+@pytest.mark.parametrize("rule", ["adam", "lamb"])
+def test_warmup_ramps_the_rate_as_setting_it_each_step_would(rule):
+    a, b = _net(), _net()
+    warm = FlatAdam(a.parameters(), lr=1e-2, rule=rule, warmup_steps=4)
+    manual = FlatAdam(b.parameters(), lr=1e-2, rule=rule)
+    gen_a, gen_b = torch.Generator().manual_seed(2), torch.Generator().manual_seed(2)
+    for k in range(1, 8):
+        manual.param_groups[0]["lr"] = 1e-2 * min(k / 4, 1.0)
+        for net, opt, gen in ((a, warm, gen_a), (b, manual, gen_b)):
+            opt.zero_grad()
+            net(torch.randn(8, 16, generator=gen)).pow(2).mean().backward()
+            opt.step()
+        assert torch.equal(warm.flat, manual.flat), k
+    assert warm.param_groups[0]["lr"] == 1e-2  # the group keeps the base rate
+
+
+def test_lamb_regrow_keeps_training_the_grown_table():
+    torch.manual_seed(0)
+    table, bias = nn.Parameter(torch.randn(5, 3)), nn.Parameter(torch.randn(3))
+    opt = FlatAdam([table, bias], lr=0.1, rule="lamb")
+    for _ in range(2):
+        opt.zero_grad()
+        (table.sum(0) * bias).sum().backward()
+        opt.step()
+    grown = nn.Parameter(torch.cat([table.data, torch.ones(2, 3)]))
+    opt.regrow([grown, bias])
+    old = grown.detach().clone()
+    opt.zero_grad()
+    (grown.sum(0) * bias).sum().backward()
+    opt.step()  # the trust ratio over the grown table's 21 values, not its old 15
+    assert not torch.equal(grown.detach()[5:], old[5:])
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"rule": "sgd"}, "rule must be one of"),
+        ({"rule": "lamb", "amsgrad": True}, "neither amsgrad"),
+        ({"warmup_steps": -1}, "warmup_steps must be >= 0"),
+    ],
+)
+def test_bad_rules(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        FlatAdam(_net().parameters(), lr=1e-3, **kwargs)

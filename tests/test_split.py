@@ -172,13 +172,13 @@ def stream20k():
 
 def run_20k(
     model: str, shards: int, trainers: int, stream, dtype=torch.float32, memory="replicated",
-    history="event", **cluster,
+    history="event", train=None, **cluster,
 ):  # fmt: skip
     set_determinism(7, threads=1)
     over = {
         "sampler": {"history": history},
         "data": {"max_events": 20000},
-        "train": {"batch_size": 200, "epochs": 1},
+        "train": {"batch_size": 200, "epochs": 1, **(train or {})},
         "continual": {"num_increments": 5, "train_fraction": 0.5, "forget_sample": 200},
         "cluster": {"shards": shards, "trainers": trainers, "memory": memory, **cluster},
     }
@@ -244,6 +244,19 @@ def test_batch_history_with_trainers_equals_one_trainer_at_the_same_global_batch
     for shards, trainers in ((2, 2), (1, 3)):
         run = run_20k("tgn", shards, trainers, stream20k, float64, memory, history="batch")
         assert_same_run(ref, run, (shards, trainers, memory), 1e-9)
+
+
+def test_lamb_with_warmup_with_trainers_equals_one_trainer(stream20k, float64):
+    """LAMB steps every replica from the reduced gradient alone (its trust ratios are norms
+    of the replica's own parameters and moments), so W trainers give one trainer's run."""
+    lamb = {"optimizer": "lamb", "warmup_steps": 10, "lr": 5e-3}
+    ref = run_20k("tgn", 1, 1, stream20k, float64, train=lamb)
+    adam = run_20k("tgn", 1, 1, stream20k, float64)
+    assert rel(ref.model.state_dict()["layers.0.q.weight"],
+               adam.model.state_dict()["layers.0.q.weight"]) > 1e-3  # fmt: skip
+    for shards, trainers in ((2, 2), (1, 3)):
+        run = run_20k("tgn", shards, trainers, stream20k, float64, train=lamb)
+        assert_same_run(ref, run, (shards, trainers), 1e-9)
 
 
 def test_phase1_and_an_increment_in_float32(stream20k):

@@ -20,6 +20,7 @@ from tidegraph.models.registry import REGISTRY, spec
 from tidegraph.storage.cache import POLICIES
 from tidegraph.storage.features import PRECISIONS
 from tidegraph.storage.ingest import FORMATS, parse_columns, parse_features
+from tidegraph.training.optim import OPTIMIZER_RULES
 
 __all__ = [
     "ClusterConfig",
@@ -128,9 +129,19 @@ class TrainConfig:
     train_negatives: int = 1
     eval_negatives: int = 10  # per positive, for MRR; AP and AUC use the first one
     eval_max_roots: int = 8192  # evaluation batches are cut so one forward has at most this
+    # "adam", or "lamb" (Adam's moments, each parameter's update scaled to its norm: large
+    # global batches, benchmarks/RESULTS.md); `warmup_steps`: the learning rate ramped
+    # linearly over a new optimizer's first steps (0: none)
+    optimizer: str = "adam"
+    warmup_steps: int = 0
 
     def __post_init__(self) -> None:
         check_fields(self, "train")
+        if self.optimizer not in OPTIMIZER_RULES:
+            raise ValueError(f"train.optimizer must be one of {OPTIMIZER_RULES}, got "
+                             f"{self.optimizer!r}")  # fmt: skip
+        if self.warmup_steps < 0:
+            raise ValueError(f"train.warmup_steps must be >= 0, got {self.warmup_steps}")
         for name in ("batch_size", "epochs", "train_negatives", "eval_negatives"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")

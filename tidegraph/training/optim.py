@@ -15,6 +15,16 @@ by its momentum, as `set_to_none=False` would. Moving or replacing a parameter a
 `regrow(params)` then re-homes the parameters into a larger buffer and keeps the Adam moments
 of every old value (new values start with zero moments, under the group's step count), so new
 nodes do not reset what the optimizer learned about the others.
+
+`rule="lamb"` takes LAMB's step instead (You et al. 2020, for large batches): the same moments,
+and each weight matrix's (or table's) Adam update scaled by its trust ratio ||w|| / ||update||
+(1 where either is zero), so that every layer moves by about `lr` of its own norm a step
+whatever its gradients' scale. Vectors (biases, LayerNorm) take Adam's step, as LAMB's
+reference implementations leave them out of the adaptation: a bias whose gradient is zero but for
+rounding (attention's key bias) would otherwise step `lr` of its norm along that rounding,
+which differs with the summation order and so with W. `warmup_steps` ramps the learning rate
+linearly over the first steps (step k of them takes k / warmup_steps of it); both read only
+the step count, which checkpoints keep.
 """
 
 from __future__ import annotations
@@ -24,7 +34,9 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-__all__ = ["FlatAdam"]
+__all__ = ["FlatAdam", "OPTIMIZER_RULES"]
+
+OPTIMIZER_RULES = ("adam", "lamb")
 
 
 class FlatAdam:
@@ -45,7 +57,16 @@ class FlatAdam:
         weight_decay: float = 0.0,
         amsgrad: bool = False,
         maximize: bool = False,
+        rule: str = "adam",
+        warmup_steps: int = 0,
     ) -> None:
+        if rule not in OPTIMIZER_RULES:
+            raise ValueError(f"FlatAdam: rule must be one of {OPTIMIZER_RULES}, got {rule!r}")
+        if rule == "lamb" and (amsgrad or maximize):
+            raise ValueError("FlatAdam: rule 'lamb' takes neither amsgrad nor maximize")
+        if warmup_steps < 0:
+            raise ValueError(f"FlatAdam: warmup_steps must be >= 0, got {warmup_steps}")
+        self.rule, self.warmup_steps = rule, warmup_steps
         params = list(params)
         if not params:
             raise ValueError("FlatAdam: no parameters to optimize")
@@ -57,6 +78,7 @@ class FlatAdam:
             raise ValueError(f"FlatAdam: parameters must be floating point, got {dtype}")
         self.flat = _rehome(params, dtype, device)
         self.sizes = [p.numel() for p in params]
+        self.adapt = [p.dim() > 1 for p in params]  # lamb: the tensors it scales
         self.param_groups = [{
             "params": [self.flat], "lr": lr, "betas": tuple(betas), "eps": eps,
             "weight_decay": weight_decay, "amsgrad": amsgrad, "maximize": maximize,
@@ -64,10 +86,20 @@ class FlatAdam:
             "decoupled_weight_decay": False,
         }]  # fmt: skip
         self.state: dict[torch.Tensor, dict] = {}
+        self._steps = 0  # steps taken (the state's count, kept on the host for the warm-up)
+        self._lengths = None  # the parameters' sizes as a tensor on the buffer's device (lamb)
+
+    def _lr(self) -> float:
+        """This step's learning rate: the group's, ramped over `warmup_steps`."""
+        lr = self.param_groups[0]["lr"]
+        if self._steps < self.warmup_steps:
+            lr *= self._steps / self.warmup_steps
+        return lr
 
     @torch.no_grad()
     def step(self) -> None:
-        """One Adam step of the whole buffer from `flat_grad` (moments made at the first)."""
+        """One Adam (or LAMB) step of the whole buffer from `flat_grad` (moments made at the
+        first)."""
         group, flat = self.param_groups[0], self.flat
         state = self.state.get(flat)
         if not state:
@@ -79,14 +111,39 @@ class FlatAdam:
             if group["amsgrad"]:
                 state["max_exp_avg_sq"] = torch.zeros_like(flat)
         state["step"].add_(1)
+        self._steps += 1
+        if self.rule == "lamb":
+            return self._lamb(group, state)
         beta1, beta2 = group["betas"]
         torch._fused_adam_(
             [flat], [flat.grad], [state["exp_avg"]], [state["exp_avg_sq"]],
             [state["max_exp_avg_sq"]] if group["amsgrad"] else [], [state["step"]],
-            amsgrad=group["amsgrad"], lr=group["lr"], beta1=beta1, beta2=beta2,
+            amsgrad=group["amsgrad"], lr=self._lr(), beta1=beta1, beta2=beta2,
             weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
             grad_scale=None, found_inf=None,
         )  # fmt: skip
+
+    def _lamb(self, group: dict, state: dict) -> None:
+        """LAMB's step over the buffer: Adam's bias-corrected update (with L2 weight decay
+        added to it), each parameter's scaled by its trust ratio; the per-parameter norms are
+        one fused norm over views, never a Python loop over values."""
+        flat, grad, t = self.flat, self.flat.grad, self._steps
+        beta1, beta2 = group["betas"]
+        m, v = state["exp_avg"], state["exp_avg_sq"]
+        m.lerp_(grad, 1 - beta1)
+        v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        update = (v / (1 - beta2**t)).sqrt_().add_(group["eps"])
+        update = torch.div(m, update).div_(1 - beta1**t)
+        if group["weight_decay"]:
+            update.add_(flat, alpha=group["weight_decay"])
+        if self._lengths is None or self._lengths.device != flat.device:
+            self._lengths = torch.tensor(self.sizes, device=flat.device)
+            self._adapt = torch.tensor(self.adapt, device=flat.device)
+        w_norm = torch.stack(torch._foreach_norm(list(flat.split(self.sizes))))
+        u_norm = torch.stack(torch._foreach_norm(list(update.split(self.sizes))))
+        trust = torch.where(self._adapt & (w_norm > 0) & (u_norm > 0), w_norm / u_norm, 1.0)
+        scale = trust.repeat_interleave(self._lengths, output_size=flat.numel())
+        flat.addcmul_(update, scale, value=-self._lr())
 
     def regrow(self, params: Iterable[nn.Parameter]) -> None:
         """Take `params` (the same parameters in the same order, some of them larger: rows
@@ -115,7 +172,8 @@ class FlatAdam:
         self.param_groups[0]["params"] = [new_flat]
         if state:
             self.state[new_flat] = state
-        self.flat, self.sizes = new_flat, sizes
+        self.flat, self.sizes, self._lengths = new_flat, sizes, None
+        self.adapt = [p.dim() > 1 for p in params]
 
     def state_dict(self) -> dict:
         """Adam's layout (the buffer is parameter 0) and the parameters' sizes."""
@@ -146,6 +204,7 @@ class FlatAdam:
         group["betas"] = tuple(group.get("betas", self.param_groups[0]["betas"]))
         self.param_groups = [{**self.param_groups[0], **group, "params": [flat]}]
         self.state = {}
+        self._steps = int(moments["step"]) if "step" in moments else 0
         if moments:
             self.state[flat] = {
                 key: (value.to(dtype=torch.float32, device=flat.device, copy=True) if key == "step"

@@ -113,7 +113,8 @@ class TrainerCore:
     def new_optimizer(self) -> None:
         # fused Adam over one flat buffer: one kernel and no per-parameter Python per step
         params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = FlatAdam(params, lr=self.config.train.lr)
+        t = self.config.train
+        self.optimizer = FlatAdam(params, lr=t.lr, rule=t.optimizer, warmup_steps=t.warmup_steps)
         self._hook_params(params)
 
     def _hook_params(self, params: list) -> None:
