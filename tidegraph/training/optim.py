@@ -17,12 +17,12 @@ of every old value (new values start with zero moments, under the group's step c
 nodes do not reset what the optimizer learned about the others.
 
 `rule="lamb"` takes LAMB's step instead (You et al. 2020, for large batches): the same moments,
-and each weight matrix's (or table's) Adam update scaled by its trust ratio ||w|| / ||update||
-(1 where either is zero), so that every layer moves by about `lr` of its own norm a step
-whatever its gradients' scale. Vectors (biases, LayerNorm) take Adam's step, as LAMB's
-reference implementations leave them out of the adaptation: a bias whose gradient is zero but for
-rounding (attention's key bias) would otherwise step `lr` of its norm along that rounding,
-which differs with the summation order and so with W. `warmup_steps` ramps the learning rate
+and each parameter tensor's Adam update scaled by its trust ratio ||w|| / ||update||, clipped
+to at most `TRUST_MAX` (the paper's clipping function; 1 where either norm is zero), so that
+every layer moves by about `lr` of its own norm a step whatever its gradients' scale. The
+clip matters for a tensor whose gradient is zero but for rounding (attention's key bias):
+unclipped, it would step `lr` of its norm along that rounding, which differs with the
+summation order and so with W. `warmup_steps` ramps the learning rate
 linearly over the first steps (step k of them takes k / warmup_steps of it); both read only
 the step count, which checkpoints keep.
 """
@@ -37,6 +37,7 @@ from torch import nn
 __all__ = ["FlatAdam", "OPTIMIZER_RULES"]
 
 OPTIMIZER_RULES = ("adam", "lamb")
+TRUST_MAX = 10.0  # lamb: the largest trust ratio
 
 
 class FlatAdam:
@@ -78,7 +79,6 @@ class FlatAdam:
             raise ValueError(f"FlatAdam: parameters must be floating point, got {dtype}")
         self.flat = _rehome(params, dtype, device)
         self.sizes = [p.numel() for p in params]
-        self.adapt = [p.dim() > 1 for p in params]  # lamb: the tensors it scales
         self.param_groups = [{
             "params": [self.flat], "lr": lr, "betas": tuple(betas), "eps": eps,
             "weight_decay": weight_decay, "amsgrad": amsgrad, "maximize": maximize,
@@ -138,10 +138,9 @@ class FlatAdam:
             update.add_(flat, alpha=group["weight_decay"])
         if self._lengths is None or self._lengths.device != flat.device:
             self._lengths = torch.tensor(self.sizes, device=flat.device)
-            self._adapt = torch.tensor(self.adapt, device=flat.device)
         w_norm = torch.stack(torch._foreach_norm(list(flat.split(self.sizes))))
         u_norm = torch.stack(torch._foreach_norm(list(update.split(self.sizes))))
-        trust = torch.where(self._adapt & (w_norm > 0) & (u_norm > 0), w_norm / u_norm, 1.0)
+        trust = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, 1.0).clamp_(max=TRUST_MAX)
         scale = trust.repeat_interleave(self._lengths, output_size=flat.numel())
         flat.addcmul_(update, scale, value=-self._lr())
 
@@ -173,7 +172,6 @@ class FlatAdam:
         if state:
             self.state[new_flat] = state
         self.flat, self.sizes, self._lengths = new_flat, sizes, None
-        self.adapt = [p.dim() > 1 for p in params]
 
     def state_dict(self) -> dict:
         """Adam's layout (the buffer is parameter 0) and the parameters' sizes."""
