@@ -20,19 +20,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import math  # noqa: E402
-
 from common import machine, write_json  # noqa: E402
 
 from tidegraph.runtime import set_determinism  # noqa: E402
 from tidegraph.training import RunConfig  # noqa: E402
 from tidegraph.training.offline import run_offline  # noqa: E402
+from tidegraph.training.optim import OPTIMIZER_RULES  # noqa: E402
 
 # a variant: a model name and what it sets in `model:` ("+static": model.static_memory)
 VARIANTS = {"tgn": {"name": "tgn"}, "tgn+static": {"name": "tgn", "static_memory": True},
@@ -74,7 +74,7 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-3, help="at the smallest batch")
     p.add_argument("--lr-rule", choices=sorted(RULES), default="fixed",
                    help="the rate at batch B: lr x f(B / the smallest batch)")  # fmt: skip
-    p.add_argument("--optimizer", choices=["adam", "lamb"], default="adam")
+    p.add_argument("--optimizer", choices=OPTIMIZER_RULES, default="adam")
     p.add_argument("--warmup-steps", type=int, default=0)
     p.add_argument("--seeds", nargs="+", type=int, default=[0])
     p.add_argument("--max-events", type=int, default=None)

@@ -22,9 +22,10 @@ to at most `TRUST_MAX` (the paper's clipping function; 1 where either norm is ze
 every layer moves by about `lr` of its own norm a step whatever its gradients' scale. The
 clip matters for a tensor whose gradient is zero but for rounding (attention's key bias):
 unclipped, it would step `lr` of its norm along that rounding, which differs with the
-summation order and so with W. `warmup_steps` ramps the learning rate
-linearly over the first steps (step k of them takes k / warmup_steps of it); both read only
-the step count, which checkpoints keep.
+summation order and so with W.
+
+`warmup_steps` ramps the learning rate linearly over the first steps (step k of them takes
+k / warmup_steps of it). Both it and LAMB read only the step count, which checkpoints keep.
 """
 
 from __future__ import annotations
