@@ -10,6 +10,9 @@ the wall time (driver routing and negatives, Ray task dispatch and object transf
 
     python benchmarks/bench_scaling.py --dataset wikipedia --max-events 60000
 
+With `--w-scan 1,2,4,8,16` it measures, per trainer, the optimizer and the apply of a step at
+each W (local backend, the batch kept and grown with W; see `w_scan`).
+
 With `--slices 25,50,100,200,400` it measures instead one trainer (P = W = 1, 1 thread) on the
 local and the Ray backend at each of those batches, a trainer's slice at W = 200 / slice
 trainers: events/s and the rate against the slice of 200 (a step's fixed cost shows as the
@@ -140,7 +143,17 @@ def main() -> None:
         default=None,
         help="one trainer at these batches instead, e.g. 25,50,100,200,400",
     )
+    p.add_argument(
+        "--w-scan",
+        default=None,
+        help="per trainer, the optimizer and the apply of a step at these W instead, e.g. "
+        "1,2,4,8,16 (local backend: one process, no core shared among trainers)",
+    )
     args = p.parse_args()
+    if args.w_scan:
+        w_scan(args, load_stream(args.dataset, args.max_events),
+               [int(w) for w in args.w_scan.split(",")])  # fmt: skip
+        return
     import ray
 
     ray.init(_node_ip_address="127.0.0.1", num_cpus=args.cpus, include_dashboard=False,
@@ -206,6 +219,29 @@ def slice_rates(args, stream, batches: list[int]) -> None:
                     "rates": [r["events_per_s"] for r in runs], "vs_slice_200": rate / ref,
                     "ms_per_step": ms})  # fmt: skip
     write_json(f"slices_{args.dataset}_{args.max_events}.json", {"args": vars(args), "rows": out})
+
+
+def w_scan(args, stream, worlds: list[int]) -> None:
+    """What a trainer pays a step for the optimizer and for applying every slice's
+    node-state updates, at each W of `worlds`, the global batch kept (`--batch-size`) and
+    grown with W (a slice of half of it a trainer): the local backend runs W trainers in one
+    process one after another, so no trainer waits for a peer on its core, and the per-
+    trainer seconds are what W costs a trainer with a core of its own (the what-if's
+    "optimizer, apply" apart from the all-reduce and exchange)."""
+    print(f"{machine()}; {args.dataset} {args.max_events} events, TGN, local backend")
+    print(" ".join(f"{h:>10}" for h in ("W", "rule", "batch", "optimizer", "apply", "sum")))
+    out = []
+    for world in worlds:
+        for rule, batch in (("keep", args.batch_size), ("linear", args.batch_size // 2 * world)):
+            runs = [measure(args, stream, "local", 1, world, 1, i, batch=batch)["ms_per_step"]
+                    for i in range(args.repeats)]  # fmt: skip
+            opt = statistics.median(r["optimizer"] for r in runs)
+            apply = statistics.median(r["apply"] for r in runs)
+            cells = [world, rule, batch, f"{opt:.3f}", f"{apply:.3f}", f"{opt + apply:.3f}"]
+            print(" ".join(f"{x:>10}" for x in cells), flush=True)
+            out.append({"trainers": world, "rule": rule, "global_batch": batch,
+                        "optimizer_ms": opt, "apply_ms": apply})  # fmt: skip
+    write_json(f"w_scan_{args.dataset}_{args.max_events}.json", {"args": vars(args), "rows": out})
 
 
 if __name__ == "__main__":

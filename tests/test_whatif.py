@@ -145,6 +145,40 @@ def test_runs_at_two_sizes_fix_compute_and_the_costs_that_grow_with_w():
     assert parts["optimizer, apply"] == pytest.approx(0.5, rel=1e-6)
 
 
+def test_apply_grows_with_the_global_batch_and_a_shared_core_is_not_a_cost_of_w():
+    """What a step costs beyond compute and transfers is u + v W + c x: c read from two
+    batches at one W, x the slice inside the step and the global batch between steps
+    (replicated state applies every slice's rows, so the linear rule pays it per global
+    event); a W = 2 run whose trainers shared the box's cores (its `cpus`
+    below trainers + driver) adds its waits, not W's cost, and is left out of u and v."""
+
+    def run(world, batch, tail_ms, gap_ms, cpus):
+        doc = synthetic(world, batch=batch, steps=21, tail_ms=tail_ms, gap_ms=gap_ms)
+        doc["otherData"].update(backend="ray", cpus=cpus, threads=1)
+        return profile(doc)
+
+    small, large = run(1, 200, 0.5, 1.0, 2), run(1, 400, 0.7, 1.4, 2)
+    shared = run(2, 200, 3.0, 4.0, 2)  # 2 trainers and the driver on 2 cores
+    assert not small.contended and shared.contended
+    assert not run(2, 200, 0.5, 1.0, 16).contended
+    model = calibrate([small, shared, large])
+    assert model.tail == pytest.approx((0.5 - 0.2, 0.0, 0.001), rel=0.03, abs=1e-6)
+    assert model.beyond == pytest.approx((1.0 - 0.4, 0.0, 0.002), rel=0.03, abs=1e-6)
+    assert any("shared cores" in note for note in model.notes)
+    keep = dict(predict(model, Setting(trainers=8)).path)
+    # the step's own part is of the slice, what comes after it of the whole batch
+    assert keep["optimizer, apply"] == pytest.approx(0.3 + 0.001 * small.global_batch / 8,
+                                                     rel=0.03)  # fmt: skip
+    assert keep["between steps"] == pytest.approx(small.beyond_ms, rel=0.03)
+    linear = dict(predict(model, Setting(trainers=8, scale_rule="linear")).path)
+    assert linear["optimizer, apply"] == pytest.approx(0.3 + 0.001 * small.global_batch,
+                                                       rel=0.03)  # fmt: skip
+    assert linear["between steps"] == pytest.approx(0.6 + 0.002 * 8 * small.global_batch,
+                                                    rel=0.03)  # fmt: skip
+    # with no run that had a core a trainer, the shared one is all there is
+    assert calibrate([shared]).tail[0] == pytest.approx(shared.tail_ms)
+
+
 def test_the_ring_scales_with_its_bytes_per_rank_and_stragglers_with_w():
     p = profile(synthetic(2, slow=0.2))
     assert p.spread_a == pytest.approx(1.2 / 1.1) and p.spread_b == pytest.approx(1.2 / 1.1)

@@ -22,13 +22,19 @@ recorded steps; a one-off step, such as a kernel's compile, counts between steps
 
 One recorded run fixes all of this at one W. `calibrate` pools several recorded runs of the
 same job (other W, other compression): compute's fixed part needs two slice sizes (one run
-has one, but for a pass's last batch), and the costs that grow with W (the apply of W
-slices' updates, the pass's per-trainer dispatch) need two W. `predict` rebuilds the step for
-W' trainers (global batch kept, or grown with W' under `scale_rule: linear`), a link of B
-Gbit/s and L us latency (a transfer takes the slower of its recorded time, the work it is
-pipelined with, and its bytes at B, plus L a message), compression (bytes per value, and
-the codec's time: taken from a recorded compressed run, else measured here) and overlap, and
-names the span on the critical path that takes longest. Assumptions (stated in
+has one, but for a pass's last batch), and what a step costs beyond compute and transfers
+(optimizer, apply, between steps) is u + v W + c x: x the slice for what a rank's step does
+beyond its spans (the loss), the global batch B for what comes between steps (replicated
+node state applies all B rows; a pass's own cost is shared by its steps, so its share grows
+with B at a pass's events); c needs two sizes at one W, v (per-trainer dispatch) two W.
+Runs whose trainers shared cores (`StepProfile.contended`) are left out of that where others
+are given: what they add is the wait for a peer on the same core, not the cost of W.
+`predict` rebuilds the step for W' trainers (global batch kept, or grown with W' under
+`scale_rule: linear`), a link of B Gbit/s and L us latency (a transfer takes the slower of
+its recorded time, the work it is pipelined with, and its bytes at B, plus L a message),
+compression (bytes per value, and the codec's time: taken from a recorded compressed run,
+else measured here) and overlap, and names the span on the critical path that takes
+longest. Assumptions (stated in
 `Prediction.assumptions`): one trainer per core or GPU (no sharing), stragglers spread as
 recorded, the shards not a bottleneck.
 """
@@ -95,6 +101,16 @@ class StepProfile:
     @property
     def step_ms(self) -> float:
         return self.period_ms - self.beyond_ms
+
+    @property
+    def contended(self) -> bool:
+        """Its trainers (and the driver) had fewer cores than threads: each waited for
+        peers that shared its core, so what its steps cost beyond compute is not what W
+        trainers with a core each pay (a recording without `cpus` is taken as not)."""
+        m = self.meta
+        if m.get("backend") == "local" or not m.get("cpus"):
+            return False
+        return m["cpus"] < self.world * int(m.get("threads") or 1) + 1
 
 
 def _fit(points: list[tuple[float, float]]) -> tuple[float, float]:
@@ -271,8 +287,8 @@ class Model:
     visible: bool  # that cost is what backward left of overlapped all-reduces
     exchange_ms: float  # the exchange's at share 1
     exchange_per_event: float  # bytes a rank sends in the exchange, per slice event
-    tail: tuple[float, float]  # ms = u + v * W
-    beyond: tuple[float, float]
+    tail: tuple[float, float, float]  # ms = u + v * W + c * slice events (`_costs`)
+    beyond: tuple[float, float, float]  # ms = u + v * W + c * global batch
     codec_ms: dict[int, float]  # code width -> a recorded codec's ms, per `_codec_ops(W)`
     compressed: list[StepProfile]  # runs that split into bytes and codec only as needed
     notes: list[str]
@@ -304,10 +320,21 @@ def calibrate(profiles: list[StepProfile]) -> Model:
     ar = statistics.fmean(p.allreduce_ms / _share(p.world) for p in plain) if plain else None
     ar = 0.0 if not runs else ar  # no run with peers: nothing recorded
     codec = _codec_split(runs, ar) if plain else {}
-    worlds = {p.world for p in profiles}
-    line = lambda key: _fit([(p.world, getattr(p, key)) for p in profiles])  # noqa: E731
-    if len(worlds) < 2:
-        notes.append("costs that grow with W (apply, dispatch) read at one W only")
+    # what a step costs beyond compute and transfers: from the runs that had a core a
+    # trainer where there are such (a shared core's waits are not W's cost)
+    alone = [p for p in profiles if not p.contended]
+    pool = alone or profiles
+    if alone and len(alone) < len(profiles):
+        shared = sorted({p.world for p in profiles if p.contended})
+        notes.append(
+            f"costs beyond compute and transfers (optimizer, apply, between steps) "
+            f"read from the runs with a core a trainer: W = {shared} shared cores"
+        )
+    if len({p.world for p in pool}) < 2:
+        notes.append(
+            "costs beyond compute and transfers read at one W: taken flat in W "
+            "(bench_scaling.py --w-scan measures the optimizer and apply per W)"
+        )
     if visible:
         notes.append("the all-reduce read from overlapped runs only: what backward left")
     if not multi:
@@ -317,10 +344,27 @@ def calibrate(profiles: list[StepProfile]) -> Model:
         notes.append("recorded on the local backend: gradients summed in the driver, no "
                      "all-reduce or exchange between trainers recorded")  # fmt: skip
     return Model(base=base, fit=fit, cv_a=cv_a, cv_b=cv_b, allreduce_ms=ar, exchange_ms=ex,
-                 exchange_per_event=per_event, visible=visible, tail=line("tail_ms"),
-                 beyond=line("beyond_ms"), codec_ms=codec,
+                 exchange_per_event=per_event, visible=visible,
+                 tail=_costs(pool, "tail_ms", "slice_events"),
+                 beyond=_costs(pool, "beyond_ms", "global_batch"), codec_ms=codec,
                  compressed=[] if plain else [p for p in runs if p.bits < 32],
                  notes=notes)  # fmt: skip
+
+
+def _costs(runs: list[StepProfile], key: str, per: str) -> tuple[float, float, float]:
+    """`key`'s (u, v, c) over `runs`: ms = u + v W + c x, x the run's `per` (its slice,
+    for what a rank's step does with its own slice's events; the global batch, for what
+    comes after the step: replicated node state applies every slice's rows, a pass's own cost
+    is shared by its steps). c: the mean slope over x of the runs at each W recorded at two
+    sizes or more (0 where none is); then u + v W fitted to what is left (v 0 from one W)."""
+    slopes = []
+    for world in {p.world for p in runs}:
+        same = [(getattr(p, per), getattr(p, key)) for p in runs if p.world == world]
+        if len({x for x, _ in same}) > 1:
+            slopes.append(_fit(same)[1])
+    c = statistics.fmean(slopes) if slopes else 0.0
+    u, v = _fit([(p.world, max(getattr(p, key) - c * getattr(p, per), 0.0)) for p in runs])
+    return u, v, c
 
 
 def _codec_ops(world: int) -> float:
@@ -475,8 +519,8 @@ def predict(m: Model | StepProfile, s: Setting) -> Prediction:
         if codec:
             path.append(("codec", codec))
         path.append(("all-reduce", ar))
-    tail = max(m.tail[0] + m.tail[1] * W, 0.0)
-    beyond = max(m.beyond[0] + m.beyond[1] * W, 0.0)
+    tail = max(m.tail[0] + m.tail[1] * W + m.tail[2] * n, 0.0)
+    beyond = max(m.beyond[0] + m.beyond[1] * W + m.beyond[2] * batch, 0.0)
     path += [("optimizer, apply", tail), ("between steps", beyond)]
     step = sum(ms for _, ms in path)
     link = ("as recorded" if s.link_gbps is None and s.link_latency_us is None else
