@@ -13,7 +13,8 @@ slice trainers.
 
 `--optimizer lamb --lr 2.5e-3 --lr-rule sqrt` is the large-batch method (`train.optimizer:
 lamb`): at batch B the rate is lr x sqrt(B / the smallest batch), as `cluster.scale_rule: sqrt`
-sets it for W trainers; `--seeds 0 1 2` repeats each run.
+sets it for W trainers; `--seeds 0 1 2` repeats each run; `--train-negatives Q` trains each
+positive against Q negatives (`train.train_negatives`).
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ def one_run(variant: str, dataset: str, batch: int, seed: int, args) -> dict:
     cfg = RunConfig.from_dict({
         "model": VARIANTS[variant], "data": {"dataset": dataset, "max_events": args.max_events},
         "train": {"batch_size": batch, "epochs": args.epochs, "lr": lr,
-                  "optimizer": args.optimizer, "warmup_steps": args.warmup_steps},
+                  "optimizer": args.optimizer, "warmup_steps": args.warmup_steps,
+                  "train_negatives": args.train_negatives},
         "mode": "offline", "cluster": {"backend": "local"}, "progress": False,
         "out_dir": None, "threads": 1, "seed": seed,
     })  # fmt: skip
@@ -57,7 +59,7 @@ def one_run(variant: str, dataset: str, batch: int, seed: int, args) -> dict:
     t0 = time.perf_counter()
     out = run_offline(cfg)
     return {"variant": variant, "dataset": dataset, "batch": batch, "seed": seed, "lr": lr,
-            "optimizer": args.optimizer,
+            "optimizer": args.optimizer, "train_negatives": args.train_negatives,
             "test_ap": out["test"]["ap"], "test_mrr": out["test"]["mrr"],
             "val_ap": out["val"]["ap"], "epoch_s": out["epoch_s"],
             "run_s": time.perf_counter() - t0}  # fmt: skip
@@ -77,6 +79,7 @@ def main() -> None:
     p.add_argument("--optimizer", choices=OPTIMIZER_RULES, default="adam")
     p.add_argument("--warmup-steps", type=int, default=0)
     p.add_argument("--seeds", nargs="+", type=int, default=[0])
+    p.add_argument("--train-negatives", type=int, default=1, help="train.train_negatives")
     p.add_argument("--max-events", type=int, default=None)
     args = p.parse_args()
     rows = []
