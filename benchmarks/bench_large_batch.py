@@ -91,7 +91,8 @@ def main() -> None:
                     print(json.dumps(rows[-1]), flush=True)
     print(
         f"\n{machine()}; offline, {args.epochs} epochs, one trainer, 1 thread, "
-        f"{args.optimizer}, lr {args.lr} ({args.lr_rule})"
+        f"{args.optimizer}, lr {args.lr} ({args.lr_rule}), {args.train_negatives} training "
+        f"negative(s) a positive"
     )
     head = ["dataset", "variant", "batch", "seed", "AP", "MRR", "dAP", "dMRR", "epoch s"]
     print(" ".join(f"{h:>{w}}" for h, w in zip(head, WIDTHS, strict=True)))
@@ -103,8 +104,9 @@ def main() -> None:
                  f"{r['test_mrr']:.4f}", f"{r['d_ap']:+.4f}", f"{r['d_mrr']:+.4f}",
                  f"{r['epoch_s']:.1f}"]  # fmt: skip
         print(" ".join(f"{c:>{w}}" for c, w in zip(cells, WIDTHS, strict=True)))
+    negatives = f"_q{args.train_negatives}" if args.train_negatives != 1 else ""
     write_json(
-        f"large_batch_{'_'.join(args.datasets)}_{args.optimizer}_{args.lr_rule}.json",
+        f"large_batch_{'_'.join(args.datasets)}_{args.optimizer}_{args.lr_rule}{negatives}.json",
         {"args": vars(args), "rows": rows},
     )
 

@@ -226,8 +226,9 @@ def w_scan(args, stream, worlds: list[int]) -> None:
     node-state updates, at each W of `worlds`, the global batch kept (`--batch-size`) and
     grown with W (a slice of half of it a trainer): the local backend runs W trainers in one
     process one after another, so no trainer waits for a peer on its core, and the per-
-    trainer seconds are what W costs a trainer with a core of its own (the what-if's
-    "optimizer, apply" apart from the all-reduce and exchange)."""
+    trainer seconds are what W costs a trainer with a core of its own. (The "apply" here is
+    the trainer's "apply" phase: taking its own updates and applying every slice's; the
+    what-if counts the first in compute and the second between steps.)"""
     print(f"{machine()}; {args.dataset} {args.max_events} events, TGN, local backend")
     print(" ".join(f"{h:>10}" for h in ("W", "rule", "batch", "optimizer", "apply", "sum")))
     out = []

@@ -34,9 +34,8 @@ are given: what they add is the wait for a peer on the same core, not the cost o
 its recorded time, the work it is pipelined with, and its bytes at B, plus L a message),
 compression (bytes per value, and the codec's time: taken from a recorded compressed run,
 else measured here) and overlap, and names the span on the critical path that takes
-longest. Assumptions (stated in
-`Prediction.assumptions`): one trainer per core or GPU (no sharing), stragglers spread as
-recorded, the shards not a bottleneck.
+longest. Assumptions (stated in `Prediction.assumptions`): one trainer per core or GPU (no
+sharing), stragglers spread as recorded, the shards not a bottleneck.
 """
 
 from __future__ import annotations
@@ -106,7 +105,9 @@ class StepProfile:
     def contended(self) -> bool:
         """Its trainers (and the driver) had fewer cores than threads: each waited for
         peers that shared its core, so what its steps cost beyond compute is not what W
-        trainers with a core each pay (a recording without `cpus` is taken as not)."""
+        trainers with a core each pay (a recording without `cpus` is taken as not). `cpus`
+        is the driver host's `os.cpu_count()`: right for one machine; a run over several
+        nodes, or in a container with fewer cores than its host, is misjudged."""
         m = self.meta
         if m.get("backend") == "local" or not m.get("cpus"):
             return False
