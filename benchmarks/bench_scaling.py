@@ -232,8 +232,9 @@ def w_scan(args, stream, worlds: list[int]) -> None:
     print(f"{machine()}; {args.dataset} {args.max_events} events, TGN, local backend")
     print(" ".join(f"{h:>10}" for h in ("W", "rule", "batch", "optimizer", "apply", "sum")))
     out = []
+    half = max(args.batch_size // 2, 1)
     for world in worlds:
-        for rule, batch in (("keep", args.batch_size), ("linear", args.batch_size // 2 * world)):
+        for rule, batch in (("keep", args.batch_size), ("linear", half * world)):
             runs = [measure(args, stream, "local", 1, world, 1, i, batch=batch)["ms_per_step"]
                     for i in range(args.repeats)]  # fmt: skip
             opt = statistics.median(r["optimizer"] for r in runs)

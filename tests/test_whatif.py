@@ -175,8 +175,16 @@ def test_apply_grows_with_the_global_batch_and_a_shared_core_is_not_a_cost_of_w(
                                                        rel=0.03)  # fmt: skip
     assert linear["between steps"] == pytest.approx(0.6 + 0.002 * 8 * small.global_batch,
                                                     rel=0.03)  # fmt: skip
-    # with no run that had a core a trainer, the shared one is all there is
-    assert calibrate([shared]).tail[0] == pytest.approx(shared.tail_ms)
+    # with no run that had a core a trainer, the shared one is all there is, and said
+    alone = calibrate([shared])
+    assert alone.tail[0] == pytest.approx(shared.tail_ms)
+    assert any("every run shared cores" in note for note in alone.notes)
+    # two runs of one batch (a compressed one's tail a little longer) fix no slope: their
+    # mean slices differ by a pass's last batch only
+    twin = run(1, 210, 0.6, 1.0, 2)
+    near = calibrate([small, twin])
+    assert near.tail[2] == 0.0 and near.beyond[2] == 0.0
+    assert near.tail[0] == pytest.approx((small.tail_ms + twin.tail_ms) / 2)
 
 
 def test_the_ring_scales_with_its_bytes_per_rank_and_stragglers_with_w():

@@ -56,6 +56,7 @@ __all__ = ["PHASE_A", "PHASE_B", "Model", "Prediction", "Setting", "StepProfile"
 
 PHASE_A = ("sample", "fetch", "forward", "updates")  # a rank's spans before the exchange
 PHASE_B = ("backward",)  # between the exchange's start and the all-reduce
+_SIZES_APART = 1.2  # `_costs` reads a slope over x only from sizes this far apart
 _ONE_OFF = 5.0  # a recorded step this many times the median is a one-off (see `profile`)
 # bits a value costs on the wire: the codes and a chunk's fp32 offset and scale (64 bits a
 # chunk of 256 values); adaptive: its narrowest default
@@ -331,6 +332,11 @@ def calibrate(profiles: list[StepProfile]) -> Model:
             f"costs beyond compute and transfers (optimizer, apply, between steps) "
             f"read from the runs with a core a trainer: W = {shared} shared cores"
         )
+    if not alone:
+        notes.append(
+            "every run shared cores: costs beyond compute and transfers (optimizer, apply, "
+            "between steps) include waits for a peer on the same core, read as W's cost"
+        )
     if len({p.world for p in pool}) < 2:
         notes.append(
             "costs beyond compute and transfers read at one W: taken flat in W "
@@ -356,12 +362,15 @@ def _costs(runs: list[StepProfile], key: str, per: str) -> tuple[float, float, f
     """`key`'s (u, v, c) over `runs`: ms = u + v W + c x, x the run's `per` (its slice,
     for what a rank's step does with its own slice's events; the global batch, for what
     comes after the step: replicated node state applies every slice's rows, a pass's own cost
-    is shared by its steps). c: the mean slope over x of the runs at each W recorded at two
-    sizes or more (0 where none is); then u + v W fitted to what is left (v 0 from one W)."""
+    is shared by its steps). c: the mean slope over x of the runs at each W recorded at
+    sizes _SIZES_APART apart or more (0 where none is: runs of one batch differ by a pass's
+    last batch, and their noise over so small a difference reads as a slope); then u + v W
+    fitted to what is left (v 0 from one W)."""
     slopes = []
     for world in {p.world for p in runs}:
         same = [(getattr(p, per), getattr(p, key)) for p in runs if p.world == world]
-        if len({x for x, _ in same}) > 1:
+        xs = [x for x, _ in same]
+        if max(xs) >= _SIZES_APART * min(xs):  # a pass's last batch moves a run's mean
             slopes.append(_fit(same)[1])
     c = statistics.fmean(slopes) if slopes else 0.0
     u, v = _fit([(p.world, max(getattr(p, key) - c * getattr(p, per), 0.0)) for p in runs])
