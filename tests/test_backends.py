@@ -539,12 +539,11 @@ def _with(base: dict, **sections) -> dict:
     return merged(base, sections)
 
 
+OTHER_MODELS = ("tgat", "dysat", "sage", "jodie", "apan", "graphmixer", "dygformer", "tpnet",
+                "edgebank")  # fmt: skip
 CASES = [
     # model
-    *[
-        Case(f"model.name={m}", {"model": {"name": m}})
-        for m in ("tgat", "dysat", "sage", "jodie", "apan", "graphmixer", "dygformer", "tpnet")
-    ],
+    *[Case(f"model.name={m}", {"model": {"name": m}}) for m in OTHER_MODELS],
     Case("model.dim", {"model": {"dim": 32}}),
     Case("model.time_dim", {"model": {"time_dim": 4}}),
     Case("model.memory_dim", {"model": {"memory_dim": 8}}),
@@ -556,6 +555,11 @@ CASES = [
         "model.walk_decay",
         {"model": {"name": "tpnet", "walk_decay": 1e-4}},
         base={"model": {"name": "tpnet"}},
+    ),  # fmt: skip
+    Case(
+        "model.edgebank_window",
+        {"model": {"name": "edgebank", "edgebank_window": 3000.0}},
+        base={"model": {"name": "edgebank"}},
     ),  # fmt: skip
     Case(
         "model.static_memory+sharded",
@@ -971,6 +975,12 @@ TGB_ARGS = [
     "tgb", "--eval-negatives", "30", "--eval-prefix", "120", "--epochs", "2", "--max-events",
     "1500", *CLUSTER,
 ]  # fmt: skip
+# EdgeBank as the job's model under TGB's protocol (its test sets the window from the split)
+EDGEBANK_ARGS = [
+    "--mode", "offline", "--config", "@config", "--model", "edgebank", "--eval-protocol",
+    "tgb", "--eval-negatives", "30", "--eval-prefix", "150", "--epochs", "2", "--max-events",
+    "1500", "--seed", "7", *CLUSTER,
+]  # fmt: skip
 FOLLOW_DIR_ARGS = ["--follow", "@inbox", "--follow-timeout", "0.3", "--config", "@config",
                    "--model", "jodie", "--epochs", "1", *CLUSTER]  # fmt: skip
 FOLLOW_FILE_ARGS = ["--follow", "@events.csv", "--follow-lines", "200", "--follow-timeout",
@@ -1101,6 +1111,34 @@ def test_the_tgb_protocol_on_both_backends(ray_session, files, tmp_path, capsys)
     assert result["test"]["positives"] == 120 and 0 < result["test"]["mrr"] < 1
     assert sum(result["split"].values()) == 1500
     assert released("tgb-ray")
+
+
+@pytest.mark.parametrize("mode", ["unlimited", "window"])
+def test_edgebank_as_the_jobs_model_is_tgbs_edgebank_on_both_backends(ray_session, tmp_path, mode):
+    """`--model edgebank` under TGB's protocol: the job's EdgeBank (its memory every event a
+    step or an evaluation recorded, held by each of two trainers) scores exactly as TGB's
+    EdgeBank run on the same split and negatives, on each backend; the window mode with
+    `model.edgebank_window` set to 0.15 of the train split's span, TGB's window."""
+    from tidegraph.rng import seed_for
+    from tidegraph.training.tgb import edgebank_tgb, tgb_bounds
+
+    events = load_stream("wikipedia", 1500).events
+    train_end, _ = tgb_bounds(events.t)
+    span = float(events.t[train_end - 1] - events.t[0])
+    window = 0.15 * span if mode == "window" else 0.0
+    config = yaml_file(tmp_path / "run.yaml", {"model": {"edgebank_window": window}})
+    want = edgebank_tgb(events, int(max(events.src.max(), events.dst.max())) + 1, mode, k=30,
+                        seed=seed_for(7, "tgb negatives"), prefix=150)  # fmt: skip
+    for backend in BACKENDS:
+        out = tmp_path / f"edgebank-{backend}"
+        args = [*resolved(EDGEBANK_ARGS, {"config": config}), "--out", str(out)]
+        assert job(args, backend) == 0
+        got = json.loads((out / "offline.json").read_text())
+        for split in ("val", "test"):
+            assert got[split]["positives"] == 150
+            assert got[split]["mrr"] == pytest.approx(want[split]["mrr"], abs=1e-6), split
+            assert got[split]["hits@10"] == pytest.approx(want[split]["hits@10"], abs=1e-6)
+        assert 0 < got["test"]["mrr"] < 1
 
 
 def _write_csv(path: Path, events) -> None:
@@ -1339,6 +1377,7 @@ DEFAULT_JOBS = [
     (TGB_ARGS, TPNET_TGB_YAML),
     (FOLLOW_DIR_ARGS, FOLLOW_DIR_YAML),
     (FOLLOW_FILE_ARGS, FOLLOW_FILE_YAML),
+    (EDGEBANK_ARGS, {"model": {"edgebank_window": 1.0}}),
 ]
 SLOW_JOB_RUNS = [([*SLOW_BASE, *args], SLOW_YAML.get(flag, SMALL_MODEL))
                  for flag, args in SLOW_JOBS.items()]  # fmt: skip

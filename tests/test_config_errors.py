@@ -23,6 +23,13 @@ BAD = [
     ({"model": {"dim": "100"}}, ["model.dim", "an integer"]),
     ({"model": {"name": 3}}, ["model.name", "a string"]),
     ({"model": {"time_trainable": 1}}, ["model.time_trainable", "true or false"]),
+    ({"model": {"name": "edgebank", "edgebank_window": -1}}, ["model.edgebank_window", ">= 0"]),
+    (
+        {"model": {"name": "edgebank", "edgebank_window": float("inf")}},
+        ["model.edgebank_window", "finite"],
+    ),
+    ({"model": {"edgebank_window": 5.0}}, ["model.edgebank_window", "EdgeBank option", "'tgn'"]),
+    ({"model": {"name": "edgebank", "num_layers": 1}}, ["model.num_layers must be 0", "edgebank"]),
     ({"data": {"max_events": True}}, ["data.max_events", "an integer or null"]),
     ({"data": {"dataset": None}}, ["data.dataset", "got null"]),
     ({"continual": {"increment_window": "day"}}, ["continual.increment_window", "a number"]),

@@ -62,6 +62,7 @@ def wiki():
         ("graphmixer", "replicated", True, "recent"),
         ("dygformer", "replicated", True, "recent"),
         ("tpnet", "sharded", True, "recent"),
+        ("edgebank", "replicated", True, "recent"),
     ],
 )
 def test_ray_actors_give_bitwise_what_the_local_group_gives(

@@ -584,12 +584,15 @@ def test_a_graphmixer_run_recovers_a_lost_trainer_bitwise(ray_session, wiki):
     assert_same_run(got, want)
 
 
-def test_a_tpnet_run_recovers_a_lost_trainer_bitwise(ray_session, wiki):
-    """TPNet (node state: its walk projections, changed by each step's events) loses trainer
-    1 at the forward pass of step 5, after both trainers applied step 4's contributions: the
-    step sent anew must not add them twice."""
+@pytest.mark.parametrize("model", ["tpnet", "edgebank"])
+def test_a_run_with_state_beyond_node_tables_recovers_a_lost_trainer_bitwise(ray_session, wiki,
+                                                                            model):  # fmt: skip
+    """TPNet (node state: its walk projections, changed by each step's events) and EdgeBank
+    (its memory of pairs, no node rows) lose trainer 1 at the forward pass of step 5, after
+    both trainers applied step 4's contributions: the step sent anew must not add them
+    twice."""
     fault = [{"trainer": 1, "step": 5, "at": "forward"}]
-    want = reference(model_config("tpnet", whole_passes=False), wiki)
-    got = run(model_config("tpnet", fault, whole_passes=False), wiki)
+    want = reference(model_config(model, whole_passes=False), wiki)
+    got = run(model_config(model, fault, whole_passes=False), wiki)
     assert [e["lost"] for e in got["recoveries"]] == [[1]]
     assert_same_run(got, want)

@@ -46,6 +46,7 @@ CASES = {
     "graphmixer": dict(model="graphmixer"),
     "dygformer": dict(model="dygformer"),
     "tpnet": dict(model="tpnet", memory="sharded", partitioner="ldg"),
+    "edgebank": dict(model="edgebank"),
     "tgn-features-string-ids": dict(model="tgn", data="features"),
 }
 
@@ -116,6 +117,12 @@ def _assert_same_node_state(served, learner) -> None:
         ids = ids[held]
     want, got = _state_rows(learner.group, ids), _state_rows(served.group, ids)
     assert sorted(want) == sorted(got) and len(ids) > 100
+    whole = learner.group.trainers[0].node_state()
+    if not want and whole:  # state without node rows (EdgeBank's pairs): all of it, exactly
+        served_whole = served.group.trainers[0].node_state()
+        assert sorted(whole) == sorted(served_whole)
+        for key, x in whole.items():
+            assert torch.equal(x, served_whole[key]), key
     for key in want:
         torch.testing.assert_close(got[key], want[key], rtol=0, atol=2e-5, msg=key)
 
@@ -211,8 +218,8 @@ def test_served_state_is_the_learners_at_its_checkpoint_and_after_the_log_grows(
     torch.testing.assert_close(chunked_probs, probs, rtol=0, atol=2e-6)
     served.config.train.eval_max_roots = 8192
     _assert_tgb_rank(served, learner, source, src[:1], dst[:1], ts[:1])
-    if case in ("dygformer", "tpnet"):  # pairs encoded jointly: no embedding of a node alone
-        with pytest.raises(QueryError, match=f"embed: model {case} encodes each .src, dst. "
+    if case in ("dygformer", "tpnet", "edgebank"):  # pairs scored whole: no node embedding
+        with pytest.raises(QueryError, match=f"embed: model {case} scores each .src, dst. "
                            "pair jointly"):  # fmt: skip
             served.embed(src[:1], ts[:1])
         return

@@ -30,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 import reference_run  # noqa: E402
 from numerics import rel  # noqa: E402
 
-MODELS = ("tgn", "tgat", "dysat", "sage", "jodie", "apan", "graphmixer", "dygformer", "tpnet")
+MODELS = ("tgn", "tgat", "dysat", "sage", "jodie", "apan", "graphmixer", "dygformer", "tpnet",
+          "edgebank")  # fmt: skip
 GRID = [(p, w) for p in (1, 2, 3) for w in (1, 2, 4)]
 
 
@@ -209,7 +210,7 @@ def assert_same_run(a: ContinualLearner, b: ContinualLearner, label, bound: floa
                 assert abs(ra[key] - rb[key]) < 1e-3, (label, key, ra[key], rb[key])
 
 
-@pytest.mark.parametrize("model", ["tgn", "apan", "dysat", "sage", "tpnet"])
+@pytest.mark.parametrize("model", ["tgn", "apan", "dysat", "sage", "tpnet", "edgebank"])
 def test_phase1_and_an_increment_match_across_shards_and_trainers(model, stream20k, float64):
     """Parameters and node state after ~90 global steps: float64 shows summation order only
     (measured ~1e-12); float32 Adam amplifies its last-bit noise (see the next test)."""
@@ -305,7 +306,7 @@ def tied_group(cfg: RunConfig, ev: EventBatch, dtype) -> tuple[LocalGroup, Negat
     return group, negatives
 
 
-@pytest.mark.parametrize("model", ["tgn", "apan", "jodie", "tpnet"])
+@pytest.mark.parametrize("model", ["tgn", "apan", "jodie", "tpnet", "edgebank"])
 def test_slices_cutting_equal_timestamps_and_shared_nodes_are_exact(model, float64):
     ev = tied_stream()
     states = {}
@@ -360,7 +361,7 @@ def test_sharded_node_state_gives_what_replicated_gives(model, stream20k, float6
                 assert a.get("ap") == b.get("ap") and a.get("loss") == b.get("loss")
 
 
-@pytest.mark.parametrize("model", ["tgn", "jodie", "apan", "tpnet"])
+@pytest.mark.parametrize("model", ["tgn", "jodie", "apan", "tpnet", "edgebank"])
 def test_chunked_evaluation_reads_the_previous_step_in_every_chunk(model, float64):
     """Evaluation cut into chunks (eval_max_roots) gives what one chunk gives, for any W and
     placement: no chunk reads another's updates, not even as a message source."""

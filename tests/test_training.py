@@ -67,6 +67,7 @@ def wiki():
         ("apan", {}),
         ("graphmixer", {}),
         ("tpnet", {}),
+        ("edgebank", {}),  # what it learns is its memory of pairs (untrained: none)
     ],
 )
 def test_continual_run_learns(model, over, wiki, tmp_path):

@@ -51,6 +51,10 @@ class ModelConfig:
     # TPNet only: the time decay lambda of its walk matrices, per time unit of the stream (a
     # walk's weight is exp(-lambda x its age); 1e-6 a second halves a walk's weight in 8 days)
     walk_decay: float = WALK_DECAY
+    # EdgeBank only: 0 remembers every pair seen (TGB's unlimited memory); > 0 only pairs seen
+    # within that long (the stream's time units) before the latest time remembered (TGB's
+    # time window: there 0.15 of the train split's span)
+    edgebank_window: float = 0.0
 
     def __post_init__(self) -> None:
         check_fields(self, "model")
@@ -74,6 +78,15 @@ class ModelConfig:
             raise ValueError(f"model.walk_decay must be finite and >= 0, got {self.walk_decay}")
         if self.walk_decay != WALK_DECAY and "walk_decay" not in model.options:
             raise ValueError(f"model.walk_decay is a TPNet option, got model.name {self.name!r}")
+        if not 0 <= self.edgebank_window < float("inf"):
+            raise ValueError(
+                f"model.edgebank_window must be finite and >= 0 (0: unlimited memory), got "
+                f"{self.edgebank_window}"
+            )
+        if self.edgebank_window and "edgebank_window" not in model.options:
+            raise ValueError(
+                f"model.edgebank_window is an EdgeBank option, got model.name {self.name!r}"
+            )
         if self.num_layers is None:
             self.num_layers = model.layers
         if model.fixed_layers is not None and self.num_layers != model.fixed_layers:

@@ -8,10 +8,11 @@ A row declares:
 - `fanout`: neighbours a hop by default (GraphMixer's K tokens: 20, as its paper);
 - `snapshots`: the sampler's snapshot windows by default; `uses_snapshots`: whether it takes
   more than one (DySAT);
-- `node_state`: whether it keeps state per node between steps (memory, mailboxes), held
-  replicated or sharded (`cluster.memory`); stateless models train as plain data-parallel SGD;
-- `embeds`: whether `/embed` can embed a node alone (every model here scores node-wise: a
-  pair's score is the link predictor over the two endpoints' embeddings);
+- `node_state`: whether it keeps state between steps (memory, mailboxes, EdgeBank's pairs),
+  held replicated or, where it has node-state tables, sharded (`cluster.memory`); stateless
+  models train as plain data-parallel SGD;
+- `embeds`: whether `/embed` can embed a node alone (not DyGFormer and TPNet, which encode a
+  pair jointly, nor EdgeBank, which looks the pair up);
 - `options`: the `ModelConfig` options only some models take, that this one does.
 """
 
@@ -24,6 +25,7 @@ from tidegraph.models.apan import APAN
 from tidegraph.models.base import TemporalModel
 from tidegraph.models.dygformer import DyGFormer
 from tidegraph.models.dysat import DySAT
+from tidegraph.models.edgebank import EdgeBankModel
 from tidegraph.models.graphmixer import GraphMixer
 from tidegraph.models.jodie import JODIE
 from tidegraph.models.sage import GraphSAGE
@@ -110,6 +112,10 @@ REGISTRY: dict[str, ModelSpec] = {
                   why_fixed="its tokens are one hop's most recent interactions"),
         ModelSpec("dygformer", _dygformer, layers=1, fixed_layers=1, fanout=31, embeds=False,
                   why_fixed="its sequences are one hop's most recent interactions"),
+        ModelSpec("edgebank", lambda c, a: EdgeBankModel(c.edgebank_window), layers=0,
+                  fixed_layers=0, node_state=True, embeds=False,
+                  options=frozenset({"edgebank_window"}),
+                  why_fixed="it scores a pair from its memory of pairs, no neighbours"),
         ModelSpec("tpnet", _tpnet, layers=1, fixed_layers=1, fanout=20, node_state=True,
                   embeds=False, options=frozenset({"walk_decay"}),
                   why_fixed="its tokens are one hop's most recent interactions"),

@@ -366,7 +366,7 @@ class ServedState:
         QueryError for a model that encodes pairs jointly (its registry row: `embeds`)."""
         name = self.config.model.name
         if not spec(name).embeds:
-            raise QueryError(f"embed: model {name} encodes each (src, dst) pair jointly, so a "
+            raise QueryError(f"embed: model {name} scores each (src, dst) pair jointly, so a "
                              f"node has no embedding alone; ask /score or /topk")  # fmt: skip
         step = self.config.train.eval_max_roots
         with self.lock, self._new_node_placed():
